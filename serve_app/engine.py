@@ -1,0 +1,218 @@
+"""InferenceEngine: the in-process API over the model runner, the KV cache and the scheduler thread."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from serve_app.config import EngineConfig
+from serve_app.kv.factory import build_kv_cache
+from serve_app.model.detokenizer import IncrementalDetokenizer
+from serve_app.model.runner import ModelRunner
+from serve_app.model.tokenizer import Tokenizer
+from serve_app.request import GenerateRequest, GenerateResult, StreamDelta, Usage
+from serve_app.scheduler import InferenceScheduler
+from serve_app.stopping import StopStringMatcher
+from serve_app.task import Task
+
+__all__ = ["GenerateRequest", "GenerateResult", "InferenceEngine", "StreamDelta", "Usage"]
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class InferenceEngine:
+    """Loads a model and serves generation requests from a continuous-batching scheduler thread.
+
+    `InferenceEngine(model="smollm2-135m-instruct", kv_cache="paged")`; further options are the
+    flat keys of `EngineConfig.from_options` (`page_size`, `cache_tokens`, `max_num_seqs`, ...).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        kv_cache: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        **options: Any,
+    ) -> None:
+        if model is not None:
+            options["model"] = model
+        if kv_cache is not None:
+            options["kv_cache"] = kv_cache
+        self.config = (config or EngineConfig()).with_options(**options)
+        self.runner = ModelRunner(self.config.model)
+        self.max_model_len = self.runner.max_model_len
+        self.cache = build_kv_cache(self.config.cache, self.runner.kv_shape, self.max_model_len, self.runner.device)
+        self.scheduler = InferenceScheduler(self.runner, self.cache, self.config.scheduler, self.max_model_len)
+        self._task_ids = itertools.count(1)
+        self.scheduler.start()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.runner.tokenizer
+
+    # -- submitting ---------------------------------------------------------------------------
+    def submit(self, request: GenerateRequest) -> GenerateResult:
+        """Validate, tokenize and queue one request; raise ValueError before queueing anything bad."""
+        prompt_ids = self._prompt_ids(request)
+        limit = min(self.max_model_len, self.cache.max_task_tokens)
+        if len(prompt_ids) >= limit:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens leave no room to generate "
+                f"(max_model_len={self.max_model_len}, cache holds {self.cache.max_task_tokens} tokens per task)"
+            )
+        vocab = self.runner.vocab_size
+        for field, ids in (("prompt", prompt_ids), ("stop_token_ids", request.stop_token_ids)):
+            bad = next((i for i in ids if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        params = request.sampling_params()
+        stop_ids = set(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= self.tokenizer.eos_token_ids
+        task_id = next(self._task_ids)
+        result = GenerateResult(task_id=task_id, prompt_tokens=len(prompt_ids), _on_abandon=self.abort)
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed)
+        task = Task(
+            task_id=task_id,
+            prompt_len=len(prompt_ids),
+            tokens=list(prompt_ids),
+            params=params,
+            max_tokens=request.max_tokens,
+            stop_token_ids=frozenset(stop_ids),
+            cache_salt=request.cache_salt,
+            result=result,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            stop_strings=StopStringMatcher(request.stop),
+            generator=generator,
+        )
+        self.scheduler.submit(task)
+        return result
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.messages is not None:
+            return self.tokenizer.encode_chat(request.messages)
+        if isinstance(request.prompt, str):
+            ids = self.tokenizer.encode(request.prompt)
+            if not ids:
+                raise ValueError("prompt: encodes to no tokens")
+            return ids
+        return list(request.prompt or [])
+
+    def abort(self, task_id: int) -> None:
+        """Cancel a task; its cache is freed at the next step."""
+        self.scheduler.abort(task_id)
+
+    # -- the convenience API ------------------------------------------------------------------
+    def generate(self, prompt: Prompt | Sequence[Prompt], stream: bool = False, **params: Any):
+        """`str -> str`, `list -> list[str]`; with `stream=True`, deltas (`str`, or `(index, str)` for a list)."""
+        if _is_batch(prompt):
+            requests = [GenerateRequest(prompt=p, **params) for p in prompt]
+        else:
+            requests = GenerateRequest(prompt=prompt, **params)
+        return self.generate_with_request(requests, stream=stream)
+
+    def generate_with_request(self, request: GenerateRequest | Sequence[GenerateRequest], stream: bool = False):
+        """As `generate`, for ready-made requests (chat messages too)."""
+        if isinstance(request, GenerateRequest):
+            result = self.submit(request)
+            return _text_stream(result) if stream else _text_of(result)
+        results = self._submit_all(request)
+        if stream:
+            return _indexed_stream(results, self.abort)
+        return [_text_of(r) for r in results]
+
+    def _submit_all(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        results: list[GenerateResult] = []
+        try:
+            for request in requests:
+                results.append(self.submit(request))
+        except Exception:
+            for result in results:
+                self.abort(result.task_id)
+            raise
+        return results
+
+    async def generate_async(self, prompt: Prompt | GenerateRequest, **params: Any) -> AsyncIterator[str]:
+        """Text deltas for one request, for asyncio callers."""
+        request = prompt if isinstance(prompt, GenerateRequest) else GenerateRequest(prompt=prompt, **params)
+        result = self.submit(request)
+        async for delta in result.astream():
+            if delta.text:
+                yield delta.text
+
+    # -- state --------------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, int]:
+        running, waiting = self.scheduler.counts()
+        usage = self.cache.usage()
+        stats = self.scheduler.stats
+        return {
+            "total_tasks": stats.total_tasks,
+            "total_tokens": stats.total_tokens,
+            "active_tasks": running,
+            "waiting_queue": waiting,
+            "kv_pages_total": usage.total,
+            "kv_pages_free": usage.free,
+            "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+            "prompt_tokens": stats.prompt_tokens,
+            "prefill_tokens": stats.prefill_tokens,
+            "preemptions": stats.preemptions,
+            "steps": stats.steps,
+        }
+
+    def shutdown(self) -> None:
+        """Stop the scheduler thread; unfinished requests end as cancelled."""
+        self.scheduler.stop()
+
+
+def _is_batch(prompt: Any) -> bool:
+    """A list of prompts, as opposed to one prompt given as a list of token ids."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
+
+
+def _text_stream(result: GenerateResult) -> Iterator[str]:
+    for delta in result.stream():
+        if delta.text:
+            yield delta.text
+    _raise_on_error(result)
+
+
+def _indexed_stream(results: list[GenerateResult], abort: Callable[[int], None]) -> Iterator[tuple[int, str]]:
+    """Deltas of several requests as they arrive, each tagged with its request's index."""
+    events: queue.SimpleQueue[tuple[int, StreamDelta]] = queue.SimpleQueue()
+    for index, result in enumerate(results):
+        result.subscribe(lambda delta, index=index: events.put((index, delta)))
+    remaining = len(results)
+    try:
+        while remaining:
+            index, delta = events.get()
+            if delta.text:
+                yield index, delta.text
+            if delta.finish_reason is not None:
+                remaining -= 1
+    finally:
+        for result in results:
+            if not result.finished:
+                abort(result.task_id)
+    for result in results:
+        _raise_on_error(result)
+
+
+def _text_of(result: GenerateResult) -> str:
+    _raise_on_error(result.wait())
+    return result.text
+
+
+def _raise_on_error(result: GenerateResult) -> None:
+    if result.finish_reason == "error":
+        raise RuntimeError(result.error or f"task {result.task_id} failed")

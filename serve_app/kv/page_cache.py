@@ -1,0 +1,101 @@
+"""PageCache: paged KV with prefix sharing, built from PagePool, TaskTable and Storage."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from serve_app.kv.base import BatchEntry, CacheUsage, KVCache, KVCacheView
+from serve_app.kv.page_pool import PagePool
+from serve_app.kv.prefix_cache import chain_hash
+from serve_app.kv.storage import KVShape, Storage
+from serve_app.kv.task_table import TaskPages, TaskTable
+
+_ADMISSION_RESERVE = 0.01
+
+
+class PageCacheView(KVCacheView):
+    """The view over pages: each task's context is gathered page by page from its page table."""
+
+    def __init__(self, storage: Storage, entries: Sequence[BatchEntry], task_table: TaskTable) -> None:
+        super().__init__(storage, entries, [task_table[entry.task_id].pages for entry in entries])
+
+
+class PageCache(KVCache):
+    """Pages of `page_size` tokens; tasks whose prompts share full leading pages share those pages."""
+
+    def __init__(
+        self, shape: KVShape, num_tokens: int, page_size: int, device: torch.device, enable_prefix_caching: bool = True
+    ) -> None:
+        n_pages = num_tokens // page_size
+        if n_pages < 2:
+            raise ValueError(f"cache size: {num_tokens} tokens make fewer than 2 pages of page_size={page_size}")
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = PagePool(n_pages, page_size)
+        self.tasks = TaskTable()
+        self.storage = Storage(shape, n_pages, page_size, device)
+        self._reserve = max(1, int(n_pages * _ADMISSION_RESERVE))
+
+    @property
+    def max_task_tokens(self) -> int:
+        return (self.pool.n_pages - self._reserve) * self.page_size
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def admit(self, task_id: int, tokens: Sequence[int], cache_salt: str) -> int | None:
+        matched: list[int] = []
+        last_hash = None
+        if self.enable_prefix_caching:
+            # The last token is always computed again: its logits pick the next token.
+            matched, last_hash = self.pool.match_prefix(tokens, cache_salt, (len(tokens) - 1) // self.page_size)
+        fresh = self.pool.allocate(self._pages_for(len(tokens)) - len(matched), keep_free=self._reserve)
+        if fresh is None:
+            self.pool.release(matched)
+            return None
+        cached = len(matched) * self.page_size
+        self.tasks.add(
+            task_id,
+            TaskPages(
+                cache_salt=cache_salt,
+                pages=matched + fresh,
+                cached_tokens=cached,
+                num_published=len(matched),
+                last_hash=last_hash,
+            ),
+        )
+        return cached
+
+    def grow(self, task_id: int, num_tokens: int) -> bool:
+        entry = self.tasks[task_id]
+        missing = self._pages_for(num_tokens) - len(entry.pages)
+        if missing <= 0:
+            return True
+        pages = self.pool.allocate(missing)
+        if pages is None:
+            return False
+        entry.pages.extend(pages)
+        return True
+
+    def commit(self, task_id: int, tokens: Sequence[int], num_computed: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        entry = self.tasks[task_id]
+        size = self.page_size
+        for index in range(entry.num_published, num_computed // size):
+            entry.last_hash = chain_hash(entry.last_hash, tokens[index * size : (index + 1) * size], entry.cache_salt)
+            self.pool.publish(entry.pages[index], entry.last_hash)
+            entry.num_published = index + 1
+
+    def release(self, task_id: int) -> None:
+        entry = self.tasks.pop(task_id)
+        if entry is not None:
+            self.pool.release(entry.pages)
+
+    def view(self, entries: Sequence[BatchEntry]) -> PageCacheView:
+        return PageCacheView(self.storage, entries, self.tasks)
+
+    def usage(self) -> CacheUsage:
+        return CacheUsage(total=self.pool.n_pages, free=self.pool.num_free)

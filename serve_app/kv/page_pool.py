@@ -1,0 +1,53 @@
+"""PagePool: the allocator and the prefix cache together, so evictions and hits stay consistent."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from serve_app.kv.allocator import Allocator
+from serve_app.kv.prefix_cache import PageHash, PrefixCache, chain_hash
+
+
+class PagePool:
+    """Pages of `page_size` tokens: allocate, share by prefix, publish and release."""
+
+    def __init__(self, n_pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.prefix_cache = PrefixCache()
+        self.allocator = Allocator(n_pages, on_evict=self.prefix_cache.drop)
+
+    @property
+    def n_pages(self) -> int:
+        return self.allocator.n_pages
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    def match_prefix(self, tokens: Sequence[int], cache_salt: str, max_pages: int) -> tuple[list[int], PageHash | None]:
+        """Take a reference to each cached leading full page (at most `max_pages`); return them and the last hash."""
+        pages: list[int] = []
+        parent: PageHash | None = None
+        size = self.page_size
+        for index in range(min(max_pages, len(tokens) // size)):
+            page_hash = chain_hash(parent, tokens[index * size : (index + 1) * size], cache_salt)
+            page = self.prefix_cache.lookup(page_hash)
+            if page is None:
+                break
+            self.allocator.retain(page)
+            pages.append(page)
+            parent = page_hash
+        return pages, parent
+
+    def allocate(self, count: int, keep_free: int = 0) -> list[int] | None:
+        """`count` new pages, leaving at least `keep_free` free; None (nothing taken) if that cannot be done."""
+        if count + keep_free > self.allocator.num_free:
+            return None
+        return self.allocator.allocate(count)
+
+    def publish(self, page: int, page_hash: PageHash) -> None:
+        """Offer a fully written page to later requests (a no-op if the hash is already published)."""
+        self.prefix_cache.insert(page_hash, page)
+
+    def release(self, pages: Sequence[int]) -> None:
+        self.allocator.release(pages, self.prefix_cache.is_cached)

@@ -1,0 +1,51 @@
+"""PrefixCache: full pages keyed by a chained hash of their tokens, the cache salt mixed into the first."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+PageHash = bytes
+
+
+def chain_hash(parent: PageHash | None, tokens: Sequence[int], cache_salt: str) -> PageHash:
+    """hash(parent, tokens); the first page (no parent) mixes in the salt, so salts never share pages."""
+    digest = hashlib.blake2b(digest_size=16)
+    if parent is None:
+        digest.update(b"salt\x00" + cache_salt.encode("utf-8") + b"\x00")
+    else:
+        digest.update(parent)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+class PrefixCache:
+    """Maps page hashes to the pages holding them, both ways."""
+
+    def __init__(self) -> None:
+        self._page_of: dict[PageHash, int] = {}
+        self._hash_of: dict[int, PageHash] = {}
+
+    def lookup(self, page_hash: PageHash) -> int | None:
+        return self._page_of.get(page_hash)
+
+    def insert(self, page_hash: PageHash, page: int) -> bool:
+        """Publish a page; False when another page already holds this hash."""
+        if page_hash in self._page_of:
+            return False
+        self._page_of[page_hash] = page
+        self._hash_of[page] = page_hash
+        return True
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._hash_of
+
+    def drop(self, page: int) -> None:
+        """Forget a page (it is being evicted and reused)."""
+        page_hash = self._hash_of.pop(page, None)
+        if page_hash is not None:
+            del self._page_of[page_hash]
+
+    def __len__(self) -> int:
+        return len(self._page_of)

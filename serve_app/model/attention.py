@@ -1,0 +1,63 @@
+"""Our attention function for transformers' `AttentionInterface`: cache write, context gather, SDPA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from serve_app.kv.base import KVCacheView
+
+ATTENTION_NAME = "serve_app_kv"
+
+
+def kv_cache_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kv_view: KVCacheView | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the packed batch `[1, heads, T, head_dim]` (q, k, v after RoPE).
+
+    The new k/v go into their cache slots first; then each group of rows attends over its
+    gathered context. Returns `[1, T, heads, head_dim]` as transformers expects.
+    """
+    if kv_view is None:
+        raise RuntimeError("kv_cache_attention needs the step's kv_view")
+    layer = module.layer_idx
+    kv_view.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
+    output = torch.empty_like(queries)
+    for index, group in enumerate(kv_view.groups):
+        k, v = kv_view.context(layer, index)
+        q = queries[group.rows].view(group.num_seqs, group.q_len, -1, queries.shape[-1]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=group.mask,
+            scale=scaling,
+            is_causal=group.mask is None and group.q_len > 1,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        output[group.rows] = out.transpose(1, 2).reshape(-1, *queries.shape[1:])
+    return output.unsqueeze(0), None
+
+
+def no_mask(*_: object, **__: object) -> None:
+    """The mask function for our attention: masks are built per group from the view, not by transformers."""
+    return None
+
+
+def register_attention() -> str:
+    """Register the attention and mask functions with transformers (idempotent); return the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, kv_cache_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, no_mask)
+    return ATTENTION_NAME

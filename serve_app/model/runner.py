@@ -1,0 +1,95 @@
+"""ModelRunner: loads a transformers model with our attention and runs one packed forward per step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from serve_app.config import ModelConfig
+from serve_app.kv.base import BatchEntry, KVCacheView
+from serve_app.kv.storage import KVShape
+from serve_app.model.attention import register_attention
+from serve_app.model.loader import resolve_model_path
+from serve_app.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for, but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One step's packed input: every entry's new tokens, in entry order (decodes first)."""
+
+    entries: Sequence[BatchEntry]
+    token_ids: list[int]
+    sample_rows: list[int]
+
+
+class ModelRunner:
+    """Owns the model, its tokenizer and the facts the cache needs (`kv_shape`, `max_model_len`)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        self.path = resolve_model_path(config.name, config.cache_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        hf_config = AutoConfig.from_pretrained(self.path)
+        self.hf_config = hf_config
+        generation = GenerationConfig.from_pretrained(self.path) if (self.path / "generation_config.json").is_file() else None
+        eos = getattr(generation, "eos_token_id", None) if generation is not None else None
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.tokenizer = Tokenizer(self.path, extra_eos_token_ids=eos_ids)
+        context = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {context} tokens")
+        self.max_model_len = config.max_model_len or context
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.path, dtype=self.dtype, attn_implementation=register_attention()
+        ).to(self.device)
+        self.model.eval()
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        n_heads = text_config.num_attention_heads
+        self.kv_shape = KVShape(
+            n_layers=text_config.num_hidden_layers,
+            n_kv_heads=getattr(text_config, "num_key_value_heads", None) or n_heads,
+            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // n_heads,
+            dtype=self.dtype,
+        )
+        self.vocab_size = int(text_config.vocab_size)
+        logger.info("loaded %s on %s (%s)", self.path, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, view: KVCacheView) -> torch.Tensor:
+        """Run the model once over the packed batch; return float32 logits of the `sample_rows` [N, vocab]."""
+        positions = [pos for entry in batch.entries for pos in range(entry.start, entry.end)]
+        input_ids = torch.tensor([batch.token_ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        keep = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=keep,
+            kv_view=view,
+        )
+        return output.logits[0].float()

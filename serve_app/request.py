@@ -1,0 +1,208 @@
+"""GenerateRequest (what a caller asks for) and GenerateResult (what comes back, whole or streamed)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serve_app.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class GenerateRequest(BaseModel):
+    """One generation: a prompt (text or token ids) or chat messages, sampling and stop settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_k: int = Field(50, ge=-1)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    cache_salt: str = ""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else ([] if value is None else value)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value: str | list[int] | None) -> str | list[int] | None:
+        if value is not None and len(value) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and any(token < 0 for token in value):
+            raise ValueError("prompt token ids must be >= 0")
+        return value
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("messages must not be empty")
+            for index, message in enumerate(value):
+                if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+                    raise ValueError(f"messages[{index}] needs a string 'role' and a string 'content'")
+        return value
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt or messages: give exactly one")
+        return self
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What one engine step produced for one request: new text and token ids; the last one has a reason."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class GenerateResult:
+    """A request's outcome. The scheduler publishes deltas; callers wait (Condition) or stream (Event)."""
+
+    task_id: int
+    prompt_tokens: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    _deltas: list[StreamDelta] = field(default_factory=list, repr=False)
+    _done: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _new_delta: threading.Event = field(default_factory=threading.Event, repr=False)
+    _subscribers: list[Callable[[StreamDelta], None]] = field(default_factory=list, repr=False)
+    _on_abandon: Callable[[int], None] | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, len(self.token_ids), self.cached_tokens)
+
+    def publish(self, delta: StreamDelta, error: str | None = None) -> None:
+        """Called by the scheduler thread: record a delta and wake every waiter."""
+        with self._done:
+            self.text += delta.text
+            self.token_ids.extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                self.finish_reason = delta.finish_reason
+                self.error = error
+            self._deltas.append(delta)
+            self._new_delta.set()
+            self._done.notify_all()
+            for notify in self._subscribers:
+                notify(delta)
+
+    def subscribe(self, notify: Callable[[StreamDelta], None]) -> None:
+        """Call `notify(delta)` for every delta so far and every later one, in order.
+
+        `notify` runs under the result's lock (on the scheduler thread for new deltas): keep it tiny.
+        """
+        with self._done:
+            for delta in self._deltas:
+                notify(delta)
+            self._subscribers.append(notify)
+
+    def unsubscribe(self, notify: Callable[[StreamDelta], None]) -> None:
+        with self._done:
+            self._subscribers.remove(notify)
+
+    def set_cached_tokens(self, count: int) -> None:
+        with self._done:
+            self.cached_tokens = count
+
+    def wait(self, timeout: float | None = None) -> GenerateResult:
+        """Block until the request has finished; raise TimeoutError after `timeout` seconds."""
+        with self._done:
+            if not self._done.wait_for(lambda: self.finished, timeout):
+                raise TimeoutError(f"task {self.task_id} did not finish within {timeout} s")
+        return self
+
+    def _take(self, start: int) -> tuple[list[StreamDelta], bool]:
+        with self._done:
+            items = self._deltas[start:]
+            if not self.finished:
+                self._new_delta.clear()
+            return items, self.finished
+
+    def stream(self) -> Iterator[StreamDelta]:
+        """Deltas as they come. Closing the iterator early cancels the request."""
+        seen = 0
+        finished = False
+        try:
+            while not finished:
+                self._new_delta.wait()
+                items, finished = self._take(seen)
+                seen += len(items)
+                yield from items
+        finally:
+            if not finished and self._on_abandon is not None:
+                self._on_abandon(self.task_id)
+
+    async def astream(self) -> AsyncIterator[StreamDelta]:
+        """Deltas as they come, for asyncio. Cancelling or closing it early cancels the request."""
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+
+        def notify(_: StreamDelta) -> None:
+            loop.call_soon_threadsafe(event.set)
+
+        self.subscribe(notify)
+        seen = 0
+        finished = False
+        try:
+            while True:
+                items, finished = self._take(seen)
+                seen += len(items)
+                for item in items:
+                    yield item
+                if finished:
+                    return
+                await event.wait()
+                event.clear()
+        finally:
+            self.unsubscribe(notify)
+            if not finished and self._on_abandon is not None:
+                self._on_abandon(self.task_id)

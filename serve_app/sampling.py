@@ -1,0 +1,228 @@
+"""Sampling: per-request parameters, the strategies, and the pipeline that turns logits into tokens.
+
+The pipeline runs penalties -> temperature -> top-k -> top-p -> min-p -> softmax -> multinomial
+on a batch of rows (one per sequence), each row with its own parameters. Rows with
+temperature 0 take the argmax of their (penalised) logits.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+_NEG_INF = float("-inf")
+
+
+class SamplingParams(BaseModel):
+    """How one request picks its tokens. `temperature=0` is greedy; `top_k` 0 or -1 disables top-k."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_k: int = Field(50, ge=-1)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as tensors, plus what penalties and seeded rows need."""
+
+    params: Sequence[SamplingParams]
+    generators: Sequence[torch.Generator | None]
+    prompt_ids: Sequence[Sequence[int]]
+    output_ids: Sequence[Sequence[int]]
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        device: torch.device,
+        generators: Sequence[torch.Generator | None] | None = None,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SamplingBatch:
+        rows = len(params)
+        return cls(
+            params=params,
+            generators=generators if generators is not None else [None] * rows,
+            prompt_ids=prompt_ids if prompt_ids is not None else [()] * rows,
+            output_ids=output_ids if output_ids is not None else [()] * rows,
+            temperature=torch.tensor([p.temperature or 1.0 for p in params], device=device),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device),
+        )
+
+
+class BaseSamplingStrategy(ABC):
+    """One transformation of a batch of logits [rows, vocab]; masked entries become -inf."""
+
+    @abstractmethod
+    def applies(self, batch: SamplingBatch) -> bool:
+        """Whether any row needs this strategy (so the pipeline can skip it)."""
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor: ...
+
+
+class PenaltyStrategy(BaseSamplingStrategy):
+    """Repetition penalty over prompt and output (as transformers does); presence and frequency over output."""
+
+    def applies(self, batch: SamplingBatch) -> bool:
+        return any(p.has_penalties for p in batch.params)
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits.clone()
+        for row, params in enumerate(batch.params):
+            if not params.has_penalties:
+                continue
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted({*batch.prompt_ids[row], *batch.output_ids[row]}), dtype=torch.long)
+                if seen.numel():
+                    seen = seen.to(logits.device)
+                    values = logits[row, seen]
+                    penalty = params.repetition_penalty
+                    logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
+            if (params.presence_penalty or params.frequency_penalty) and batch.output_ids[row]:
+                counts = torch.bincount(
+                    torch.tensor(batch.output_ids[row], dtype=torch.long), minlength=logits.shape[1]
+                ).to(logits.device, logits.dtype)
+                logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+
+class TemperatureStrategy(BaseSamplingStrategy):
+    def applies(self, batch: SamplingBatch) -> bool:
+        return bool((batch.temperature != 1.0).any())
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        return logits / batch.temperature[:, None]
+
+
+class TopKStrategy(BaseSamplingStrategy):
+    """Keep each row's `top_k` largest logits (0 keeps all)."""
+
+    def applies(self, batch: SamplingBatch) -> bool:
+        return bool((batch.top_k > 0).any())
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        vocab = logits.shape[1]
+        k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), torch.full_like(batch.top_k, vocab))
+        top = torch.topk(logits, int(k.max()), dim=1).values
+        threshold = top.gather(1, (k - 1)[:, None])
+        return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+class TopPStrategy(BaseSamplingStrategy):
+    """Keep the smallest set of tokens whose probability reaches `top_p` (the top token always stays)."""
+
+    def applies(self, batch: SamplingBatch) -> bool:
+        return bool((batch.top_p < 1.0).any())
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        sorted_logits, order = torch.sort(logits, dim=1, descending=True)
+        probs = sorted_logits.softmax(dim=1)
+        mass_before = probs.cumsum(dim=1) - probs
+        drop_sorted = mass_before >= batch.top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        return logits.masked_fill(drop, _NEG_INF)
+
+
+class MinPStrategy(BaseSamplingStrategy):
+    """Drop tokens whose probability is under `min_p` times the top token's."""
+
+    def applies(self, batch: SamplingBatch) -> bool:
+        return bool((batch.min_p > 0.0).any())
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        probs = logits.softmax(dim=1)
+        threshold = probs.max(dim=1, keepdim=True).values * batch.min_p[:, None]
+        return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+class SamplingPipeline:
+    """Strategies in order, then softmax and a multinomial draw (seeded rows use their own generator)."""
+
+    def __init__(self, strategies: Sequence[BaseSamplingStrategy] | None = None) -> None:
+        self.penalties = PenaltyStrategy()
+        self.strategies = list(strategies) if strategies is not None else [
+            TemperatureStrategy(),
+            TopKStrategy(),
+            TopPStrategy(),
+            MinPStrategy(),
+        ]
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Token ids [rows] for logits [rows, vocab]."""
+        if self.penalties.applies(batch):
+            logits = self.penalties.apply(logits, batch)
+        tokens = logits.argmax(dim=1)
+        sampled = [row for row, p in enumerate(batch.params) if not p.is_greedy]
+        if not sampled:
+            return tokens
+        index = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        sub = SamplingBatch(
+            params=[batch.params[r] for r in sampled],
+            generators=[batch.generators[r] for r in sampled],
+            prompt_ids=[batch.prompt_ids[r] for r in sampled],
+            output_ids=[batch.output_ids[r] for r in sampled],
+            temperature=batch.temperature[index],
+            top_k=batch.top_k[index],
+            top_p=batch.top_p[index],
+            min_p=batch.min_p[index],
+        )
+        rows = logits[index]
+        for strategy in self.strategies:
+            if strategy.applies(sub):
+                rows = strategy.apply(rows, sub)
+        tokens[index] = self._draw(rows.softmax(dim=1), sub.generators)
+        return tokens
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+        shared = [row for row, g in enumerate(generators) if g is None]
+        if shared:
+            out[shared] = torch.multinomial(probs[shared], 1)[:, 0]
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                out[row] = torch.multinomial(probs[row], 1, generator=generator)[0]
+        return out
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 50,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample token ids from logits [vocab] or [rows, vocab] with one set of parameters."""
+    single = logits.dim() == 1
+    rows = logits[None] if single else logits
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    batch = SamplingBatch.build([params] * rows.shape[0], rows.device, generators=[generator] * rows.shape[0])
+    tokens = SamplingPipeline()(rows, batch)
+    return tokens[0] if single else tokens

@@ -1,0 +1,219 @@
+"""InferenceScheduler: the continuous-batching loop in a daemon thread.
+
+Each step frees finished and cancelled tasks, makes room for every running decode (preempting
+the newest task by recompute when pages run out), admits waiting tasks while memory lasts,
+packs all decode tokens and prefill chunks into one batch, runs the model once, samples, and
+publishes each task's delta.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from serve_app.config import SchedulerConfig
+from serve_app.kv.base import BatchEntry, KVCache
+from serve_app.model.runner import ForwardBatch, ModelRunner
+from serve_app.request import StreamDelta
+from serve_app.sampling import SamplingBatch, SamplingPipeline
+from serve_app.task import Task, TaskState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    total_tasks: int = 0
+    total_tokens: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+class InferenceScheduler:
+    """Owns the waiting queue and the running set; only its thread touches tasks and the cache."""
+
+    def __init__(self, runner: ModelRunner, cache: KVCache, config: SchedulerConfig, max_model_len: int) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.config = config
+        self.max_model_len = max_model_len
+        self.sampler = SamplingPipeline()
+        self.stats = SchedulerStats()
+        self.waiting: deque[Task] = deque()
+        self.running: list[Task] = []
+        self._inbox: list[Task] = []
+        self._aborts: set[int] = set()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="inference-scheduler", daemon=True)
+
+    # -- called from any thread -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    def submit(self, task: Task) -> None:
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("the engine has shut down")
+            self._inbox.append(task)
+            self.stats.total_tasks += 1
+            self._wake.notify()
+
+    def abort(self, task_id: int) -> None:
+        with self._wake:
+            self._aborts.add(task_id)
+            self._wake.notify()
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) right now."""
+        with self._wake:
+            return len(self.running), len(self.waiting) + len(self._inbox)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._stopped or self._inbox or self._aborts or self.running or self.waiting)
+                if self._stopped:
+                    break
+                self.waiting.extend(self._inbox)
+                self._inbox.clear()
+                aborts, self._aborts = self._aborts, set()
+            self._cancel(aborts)
+            try:
+                self.step()
+            except Exception as exc:  # a failed step must not stop the loop; its tasks fail instead
+                logger.exception("engine step failed")
+                for task in list(self.running):
+                    self._finish(task, StreamDelta("", (), "error"), error=f"engine step failed: {exc}")
+        for task in [*self.running, *self.waiting, *self._inbox]:
+            self._finish(task, StreamDelta("", (), "cancelled"))
+
+    def step(self) -> None:
+        """One scheduling step: room for decodes, admissions, one forward, sampling, publishing."""
+        self._make_room_for_decodes()
+        self._admit()
+        entries, tasks = self._build_batch()
+        if not entries:
+            return
+        sample_rows, sampled, row = [], [], 0
+        for entry, task in zip(entries, tasks):
+            row += entry.num_new
+            if entry.end == task.num_tokens:
+                sample_rows.append(row - 1)
+                sampled.append(task)
+        token_ids = [tok for entry, task in zip(entries, tasks) for tok in task.tokens[entry.start : entry.end]]
+        self.stats.prefill_tokens += sum(e.num_new for e, t in zip(entries, tasks) if t.is_prefilling)
+        logits = self.runner.forward(ForwardBatch(entries, token_ids, sample_rows), self.cache.view(entries))
+        self.stats.steps += 1
+        for entry, task in zip(entries, tasks):
+            task.num_computed = entry.end
+            self.cache.commit(task.task_id, task.tokens, task.num_computed)
+        if sampled:
+            self._sample_and_publish(logits, sampled)
+
+    def _sample_and_publish(self, logits: torch.Tensor, tasks: list[Task]) -> None:
+        batch = SamplingBatch.build(
+            [t.params for t in tasks],
+            logits.device,
+            generators=[t.generator for t in tasks],
+            prompt_ids=[t.tokens[: t.prompt_len] if t.params.has_penalties else () for t in tasks],
+            output_ids=[t.output_ids if t.params.has_penalties else () for t in tasks],
+        )
+        next_tokens = self.sampler(logits, batch).tolist()
+        for task, token in zip(tasks, next_tokens):
+            delta = task.accept(int(token), self.max_model_len)
+            self.stats.total_tokens += 1
+            if delta.finish_reason is not None:
+                self._finish(task, delta)
+            else:
+                task.result.publish(delta)
+
+    # -- memory -----------------------------------------------------------------------------
+    def _make_room_for_decodes(self) -> None:
+        for task in sorted(self.running, key=lambda t: t.task_id):
+            if task.state is not TaskState.RUNNING or task.is_prefilling:
+                continue
+            while not self.cache.grow(task.task_id, task.num_tokens):
+                victim = max(self.running, key=lambda t: t.task_id)
+                if victim is task and len(self.running) == 1:
+                    # Alone and still out of memory: the cache cannot hold this task any longer.
+                    self._finish(task, task.closing_delta("length"))
+                    break
+                self._preempt(victim)
+                if victim is task:
+                    break
+
+    def _preempt(self, task: Task) -> None:
+        """Recompute later: free the task's memory and put it at the front of the queue."""
+        self.cache.release(task.task_id)
+        self.running.remove(task)
+        task.state = TaskState.WAITING
+        task.num_computed = 0
+        self.waiting.appendleft(task)
+        self.stats.preemptions += 1
+        logger.debug("preempted task %d at %d tokens", task.task_id, task.num_tokens)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            task = self.waiting[0]
+            if task.num_tokens > self.cache.max_task_tokens:
+                self.waiting.popleft()
+                self._finish(task, task.closing_delta("length"))
+                continue
+            cached = self.cache.admit(task.task_id, task.tokens, task.cache_salt)
+            if cached is None:
+                break
+            self.waiting.popleft()
+            task.num_computed = cached
+            task.state = TaskState.RUNNING
+            self.running.append(task)
+            self.stats.prefix_cache_hit_tokens += cached
+            if not task.admitted_once:
+                task.admitted_once = True
+                self.stats.prompt_tokens += task.prompt_len
+                task.result.set_cached_tokens(cached)
+
+    def _build_batch(self) -> tuple[list[BatchEntry], list[Task]]:
+        """Every decode token, then prefill chunks while the token budget lasts; one-token entries first."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[BatchEntry, Task]] = []
+        for task in sorted(self.running, key=lambda t: t.is_prefilling):
+            chunk = min(task.num_tokens - task.num_computed, budget)
+            if chunk <= 0:
+                break
+            budget -= chunk
+            scheduled.append((BatchEntry(task.task_id, task.num_computed, chunk), task))
+        scheduled.sort(key=lambda pair: pair[0].num_new != 1)
+        return [entry for entry, _ in scheduled], [task for _, task in scheduled]
+
+    # -- endings ----------------------------------------------------------------------------
+    def _cancel(self, task_ids: set[int]) -> None:
+        if not task_ids:
+            return
+        for task in [t for t in [*self.running, *self.waiting] if t.task_id in task_ids]:
+            self._finish(task, StreamDelta("", (), "cancelled"))
+
+    def _finish(self, task: Task, delta: StreamDelta, error: str | None = None) -> None:
+        """Free the task's memory, then publish its final delta."""
+        if task.state is TaskState.RUNNING:
+            self.cache.release(task.task_id)
+            self.running.remove(task)
+        elif task in self.waiting:
+            self.waiting.remove(task)
+        task.state = TaskState.FINISHED
+        task.result.publish(delta, error=error)
+

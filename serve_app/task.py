@@ -1,0 +1,74 @@
+"""Task: the scheduler's state for one request, from waiting through running to finished."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from serve_app.model.detokenizer import IncrementalDetokenizer
+from serve_app.request import FinishReason, GenerateResult, StreamDelta
+from serve_app.sampling import SamplingParams
+from serve_app.stopping import StopStringMatcher
+
+
+class TaskState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Task:
+    """Token ids so far (`tokens` = prompt + output), how many have k/v in the cache, and the stop rules."""
+
+    task_id: int
+    prompt_len: int
+    tokens: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    cache_salt: str
+    result: GenerateResult
+    detokenizer: IncrementalDetokenizer
+    stop_strings: StopStringMatcher
+    generator: torch.Generator | None = None
+    state: TaskState = TaskState.WAITING
+    num_computed: int = 0
+    admitted_once: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_tokens - 1
+
+    def accept(self, token: int, max_model_len: int) -> StreamDelta:
+        """Append a sampled token; return the text it adds and, when it ends the task, why."""
+        self.tokens.append(token)
+        if token in self.stop_token_ids:
+            return self.closing_delta("stop", (token,))
+        text = self.stop_strings.feed(self.detokenizer.push(token))
+        if self.stop_strings.matched is not None:
+            return StreamDelta(text, (token,), "stop")
+        if self.num_output >= self.max_tokens or self.num_tokens >= max_model_len:
+            return self.closing_delta("length", (token,), text)
+        return StreamDelta(text, (token,))
+
+    def closing_delta(self, reason: FinishReason, token_ids: tuple[int, ...] = (), text: str = "") -> StreamDelta:
+        """The last delta: `text` plus whatever the detokenizer and stop matcher still hold."""
+        text += self.stop_strings.feed(self.detokenizer.flush())
+        if self.stop_strings.matched is not None:
+            return StreamDelta(text, token_ids, "stop")
+        return StreamDelta(text + self.stop_strings.flush(), token_ids, reason)
