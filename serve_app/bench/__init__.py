@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, measurements and reports for `serve-app bench ...`."""

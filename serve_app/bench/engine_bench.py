@@ -1,0 +1,82 @@
+"""`serve-app bench engine`: N prompts through the in-process engine with C in flight, M new tokens each."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from serve_app.bench.prompts import make_prompts
+from serve_app.bench.stats import BenchRow, RequestTiming, format_table
+from serve_app.engine import InferenceEngine
+from serve_app.request import GenerateRequest, StreamDelta
+
+
+@dataclass
+class _Clock:
+    """Timestamps of one request's deltas, filled from the scheduler thread."""
+
+    start: float
+    stamps: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+    def on_delta(self, delta: StreamDelta) -> None:
+        if delta.token_ids:
+            self.stamps.append(time.perf_counter())
+            self.tokens += len(delta.token_ids)
+
+    def timing(self) -> RequestTiming:
+        ttft = self.stamps[0] - self.start if self.stamps else 0.0
+        gaps = tuple(b - a for a, b in zip(self.stamps, self.stamps[1:]))
+        return RequestTiming(ttft=ttft, gaps=gaps, output_tokens=self.tokens)
+
+
+def run_engine_bench(
+    engine: InferenceEngine, prompts: list[str], concurrency: int, max_tokens: int, system: str = "engine"
+) -> BenchRow:
+    """Keep `concurrency` greedy requests in flight until every prompt has run; return the summary row."""
+    pending = list(reversed(prompts))
+    slots = threading.Semaphore(concurrency)
+    clocks: list[_Clock] = []
+    results = []
+    progress = tqdm(total=len(prompts), desc=f"{system} c={concurrency}", unit="req", leave=False)
+    begin = time.perf_counter()
+    while pending:
+        slots.acquire()
+        request = GenerateRequest(prompt=pending.pop(), max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        clock = _Clock(start=time.perf_counter())
+        result = engine.submit(request)
+
+        def on_delta(delta: StreamDelta, clock: _Clock = clock) -> None:
+            clock.on_delta(delta)
+            if delta.finish_reason is not None:
+                slots.release()
+                progress.update(1)
+
+        result.subscribe(on_delta)
+        clocks.append(clock)
+        results.append(result)
+    for result in results:
+        result.wait()
+    duration = time.perf_counter() - begin
+    progress.close()
+    return BenchRow.from_timings(system, concurrency, duration, [c.timing() for c in clocks])
+
+
+def main(args) -> None:
+    engine = InferenceEngine(model=args.model, kv_cache=args.kv_cache)
+    try:
+        prompts = make_prompts(args.prompts, seed=args.seed)
+        run_engine_bench(engine, prompts[: min(4, len(prompts))], 4, 4, system="warmup")
+        rows = [run_engine_bench(engine, prompts, c, args.max_tokens) for c in args.concurrency]
+    finally:
+        engine.shutdown()
+    print(format_table(rows))
+    for row in rows:
+        print(json.dumps(row.as_dict()))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump([row.as_dict() for row in rows], handle, indent=2)

@@ -1,0 +1,61 @@
+"""The `serve-app` console script: `prepare-model` and `bench engine`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from serve_app.config import DEFAULT_MODEL, default_cache_dir
+
+
+def _prepare_model(args: argparse.Namespace) -> None:
+    from serve_app.model.loader import ModelNotFoundError, resolve_model_path
+
+    try:
+        path = resolve_model_path(args.model, args.cache_dir)
+    except ModelNotFoundError as exc:
+        sys.exit(f"serve-app: {exc}")
+    print(path)
+
+
+def _bench_engine(args: argparse.Namespace) -> None:
+    from serve_app.bench.engine_bench import main
+
+    main(args)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="serve-app", description="An LLM inference server and its tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    prepare = commands.add_parser("prepare-model", help="make a model ready to load (the embedded one is converted once)")
+    prepare.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="an embedded model name or a local folder")
+    prepare.add_argument("--cache-dir", default=default_cache_dir(), help="where prepared models are kept")
+    prepare.set_defaults(func=_prepare_model)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    engine = bench.add_parser("engine", help="the in-process engine: throughput, TTFT and TPOT")
+    engine.add_argument("--model", default=DEFAULT_MODEL)
+    engine.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous"])
+    engine.add_argument("--prompts", type=int, default=64, help="number of prompts")
+    engine.add_argument("--concurrency", type=_int_list, default=[16], help="requests in flight; a list sweeps: 1,8,32")
+    engine.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    engine.add_argument("--seed", type=int, default=0, help="seed of the prompt set")
+    engine.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    engine.set_defaults(func=_bench_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

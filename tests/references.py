@@ -1,0 +1,34 @@
+"""transformers' reference generation, cached per prompt, for the greedy-equality oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class ReferenceModel:
+    """`model.generate(do_sample=False)` with transformers' own attention and cache."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        self.model.eval()
+        self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """The greedy continuation of `prompt_ids`, ignoring end-of-sequence (always `max_new_tokens`)."""
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in self._cache:
+            with torch.inference_mode():
+                out = self.model.generate(
+                    torch.tensor([prompt_ids]),
+                    attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+            self._cache[key] = out[0, len(prompt_ids) :].tolist()
+        return self._cache[key]

@@ -1,0 +1,160 @@
+"""The in-process Engine API: return shapes, chat prompts, async, cancellation, bad input, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from serve_app import EngineConfig, GenerateRequest, InferenceEngine
+from serve_app.model.loader import ModelNotFoundError
+
+GREEDY = dict(max_tokens=12, temperature=0)
+
+
+def test_generate_returns_text_for_a_prompt_and_a_list_for_a_batch(engine: InferenceEngine) -> None:
+    one = engine.generate("The sun rises in the", **GREEDY)
+    assert isinstance(one, str) and one
+    both = engine.generate(["The sun rises in the", "Water boils at"], **GREEDY)
+    assert isinstance(both, list) and both[0] == one and len(both) == 2
+    by_ids = engine.generate(engine.tokenizer.encode("The sun rises in the"), **GREEDY)
+    assert by_ids == one
+
+
+def test_streams_join_to_the_whole_text(engine: InferenceEngine) -> None:
+    prompts = ["The sun rises in the", "Water boils at"]
+    whole = engine.generate(prompts, **GREEDY)
+    deltas = list(engine.generate(prompts[0], stream=True, **GREEDY))
+    assert all(isinstance(d, str) for d in deltas) and "".join(deltas) == whole[0]
+    tagged = list(engine.generate(prompts, stream=True, **GREEDY))
+    assert {i for i, _ in tagged} == {0, 1}
+    for index in (0, 1):
+        assert "".join(text for i, text in tagged if i == index) == whole[index]
+
+
+def test_generate_async_yields_the_same_deltas(engine: InferenceEngine) -> None:
+    expected = engine.generate("Three facts about cats:", **GREEDY)
+
+    async def collect() -> list[str]:
+        return [d async for d in engine.generate_async("Three facts about cats:", **GREEDY)]
+
+    assert "".join(asyncio.run(collect())) == expected
+
+
+def test_chat_request_uses_the_template_with_system_and_turns(engine: InferenceEngine) -> None:
+    messages = [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Colour of the sky?"},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Colour of grass?"},
+    ]
+    ids = engine.tokenizer.encode_chat(messages)
+    rendered = engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert rendered.startswith("<|im_start|>system\nYou answer in one word.<|im_end|>")
+    assert "You are a helpful AI assistant" not in rendered
+    assert rendered.endswith("<|im_start|>user\nColour of grass?<|im_end|>\n<|im_start|>assistant\n")
+    from_chat = engine.generate_with_request(GenerateRequest(messages=messages, **GREEDY))
+    assert from_chat == engine.generate(ids, **GREEDY)
+    result = engine.submit(GenerateRequest(messages=messages, **GREEDY)).wait(60)
+    assert result.usage.prompt_tokens == len(ids)
+    assert result.usage.completion_tokens == len(result.token_ids) <= 12
+
+
+def test_closing_a_stream_cancels_the_task(engine: InferenceEngine) -> None:
+    stream = engine.generate("Tell me a very long story:", stream=True, max_tokens=500, ignore_eos=True)
+    next(stream)
+    next(stream)
+    stream.close()
+    deadline = time.monotonic() + 10
+    while engine.get_stats()["active_tasks"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.get_stats()["active_tasks"] == 0
+
+
+def test_abort_by_task_id(engine: InferenceEngine) -> None:
+    result = engine.submit(GenerateRequest(prompt="Once upon a time", max_tokens=500, ignore_eos=True))
+    while not result.token_ids:
+        time.sleep(0.005)
+    engine.abort(result.task_id)
+    assert result.wait(10).finish_reason == "cancelled"
+    assert len(result.token_ids) < 500
+
+
+def test_async_consumer_that_stops_early_cancels(engine: InferenceEngine) -> None:
+    async def take_two() -> None:
+        agen = engine.generate_async("A list of numbers:", max_tokens=400, ignore_eos=True)
+        count = 0
+        async for _ in agen:
+            count += 1
+            if count == 2:
+                break
+        await agen.aclose()
+
+    asyncio.run(take_two())
+    deadline = time.monotonic() + 10
+    while engine.get_stats()["active_tasks"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.get_stats()["active_tasks"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt=[]), "prompt"),
+        (dict(prompt="x", max_tokens=0), "max_tokens"),
+        (dict(prompt="x", temperature=-1), "temperature"),
+        (dict(prompt="x", top_p=0), "top_p"),
+        (dict(prompt="x", top_p=1.01), "top_p"),
+        (dict(prompt=[10**9]), "prompt"),
+        (dict(prompt="x", stop_token_ids=[-5]), "stop_token_ids"),
+        (dict(prompt="x", unknown_field=1), "unknown_field"),
+        (dict(), "prompt or messages"),
+        (dict(prompt="x", messages=[{"role": "user", "content": "y"}]), "prompt or messages"),
+    ],
+)
+def test_bad_input_is_a_value_error_naming_the_field_and_the_engine_keeps_serving(
+    engine: InferenceEngine, kwargs: dict, field: str
+) -> None:
+    before = engine.get_stats()["total_tasks"]
+    with pytest.raises(ValueError, match=field):
+        engine.submit(GenerateRequest(**kwargs))
+    assert engine.get_stats()["total_tasks"] == before
+    assert engine.generate("Still here:", **GREEDY)
+
+
+def test_too_long_prompt_names_the_prompt(engine: InferenceEngine) -> None:
+    with pytest.raises(ValueError, match="prompt: 2048 tokens"):
+        engine.generate([5] * 2048, max_tokens=1)
+
+
+def test_stats_have_the_documented_keys(engine: InferenceEngine) -> None:
+    stats = engine.get_stats()
+    for key in (
+        "total_tasks", "total_tokens", "active_tasks", "waiting_queue",
+        "kv_pages_total", "kv_pages_free", "prefix_cache_hit_tokens", "preemptions",
+    ):
+        assert isinstance(stats[key], int), key
+    assert stats["kv_pages_total"] == 8192 // 16
+
+
+def test_unknown_model_and_unknown_option_are_value_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="model"):
+        InferenceEngine(model=str(tmp_path / "nothing-here"))
+    with pytest.raises(ValueError, match="unknown engine option"):
+        EngineConfig.from_options(kv_pages=3)
+    with pytest.raises(ValueError, match="kind"):
+        EngineConfig.from_options(kv_cache="ring")
+
+
+def test_shutdown_cancels_unfinished_requests(tiny_llama_path: Path) -> None:
+    eng = InferenceEngine(model=str(tiny_llama_path), cache_tokens=2048)
+    result = eng.submit(GenerateRequest(prompt="Go on forever", max_tokens=900, ignore_eos=True))
+    while not result.token_ids:
+        time.sleep(0.005)
+    eng.shutdown()
+    assert result.wait(10).finish_reason == "cancelled"
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.submit(GenerateRequest(prompt="late", max_tokens=1))

@@ -1,0 +1,75 @@
+"""Other architectures through the same path (tiny random Qwen3 and Llama), and model preparation."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve_app import GenerateRequest, InferenceEngine
+from serve_app.model.loader import EMBEDDED_MODELS, prepare_embedded_model
+from tests.conftest import assert_no_leak, wait_idle
+from tests.references import ReferenceModel
+
+PROMPTS = [
+    "A short one.",
+    "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find its friends.",
+    "Numbers: " + ", ".join(str(n) for n in range(60)),
+    "Hello",
+]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("kv_cache", ["paged", "contiguous"])
+def test_tiny_model_greedy_equals_transformers(arch: str, kv_cache: str, request: pytest.FixtureRequest) -> None:
+    path: Path = request.getfixturevalue(f"tiny_{arch}_path")
+    reference = ReferenceModel(path)
+    eng = InferenceEngine(model=str(path), kv_cache=kv_cache, page_size=8, cache_tokens=4096, max_model_len=512)
+    try:
+        free = eng.get_stats()["kv_pages_free"]
+        prompts = [eng.tokenizer.encode(p) for p in PROMPTS]
+        results = [
+            eng.submit(GenerateRequest(prompt=ids, max_tokens=32, temperature=0, ignore_eos=True)) for ids in prompts
+        ]
+        for ids, result in zip(prompts, results):
+            assert result.wait(60).token_ids == reference.greedy(ids, 32)
+        wait_idle(eng)
+        assert_no_leak(eng, free)
+    finally:
+        eng.shutdown()
+
+
+def test_qwen3_tiny_model_has_qk_norms(tiny_qwen3_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_path)
+    assert hasattr(model.model.layers[0].self_attn, "q_norm")
+
+
+def test_prepared_embedded_model_matches_transformers_gguf_load(tmp_path: Path, model_path: Path) -> None:
+    """A fresh conversion: the safetensors folder gives the logits of transformers' own GGUF load."""
+    from transformers import AutoModelForCausalLM
+
+    spec = EMBEDDED_MODELS["smollm2-135m-instruct"]
+    folder = prepare_embedded_model(spec, tmp_path)
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    assert prepare_embedded_model(spec, tmp_path) == folder  # done once
+    ids = torch.tensor([[1, 4093, 198, 19556, 905, 30]])
+    prepared = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    gguf = AutoModelForCausalLM.from_pretrained(
+        Path(importlib.util.find_spec(spec.package).origin).parent, gguf_file=spec.gguf_file
+    )
+    with torch.inference_mode():
+        assert torch.allclose(prepared(ids).logits, gguf(ids).logits, atol=1e-5)
+
+
+def test_prepare_model_cli(tmp_path: Path, tiny_llama_path: Path) -> None:
+    cli = [sys.executable, "-m", "serve_app.cli", "prepare-model"]
+    ok = subprocess.run([*cli, str(tiny_llama_path)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.strip() == str(tiny_llama_path)
+    bad = subprocess.run([*cli, str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "neither an embedded model" in bad.stderr

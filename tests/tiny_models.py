@@ -1,0 +1,40 @@
+"""Tiny randomly initialised models (Llama and Qwen3 shapes) with the real tokenizer, for fast tests."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def build_tiny_model(kind: str, folder: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """Write a 2-layer model of `kind` ('llama' or 'qwen3') into `folder` and return it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    config = Qwen3Config(**common) if kind == "qwen3" else LlamaConfig(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    for name in _TOKENIZER_FILES:
+        source = tokenizer_from / name
+        if source.is_file():
+            shutil.copy(source, folder / name)
+    return folder
