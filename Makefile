@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export SERVE_APP_CACHE_DIR ?= $(CURDIR)/.cache/serve-app
 PYTEST_ARGS ?=
 
-.PHONY: setup model test bench clean
+.PHONY: setup model serve test bench clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 
 model: $(STAMP)
 	$(BIN)/serve-app prepare-model
+
+serve: model
+	$(BIN)/serve run serve_config.yaml
 
 test: model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

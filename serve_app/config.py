@@ -28,6 +28,7 @@ class ModelConfig(_Strict):
     device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, ge=2, description="context limit; defaults to the model's")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; defaults to every core")
     cache_dir: Path = Field(default_factory=default_cache_dir)
 
 
@@ -63,6 +64,7 @@ _FLAT_KEYS: dict[str, tuple[str, str]] = {
     "device": ("model", "device"),
     "dtype": ("model", "dtype"),
     "max_model_len": ("model", "max_model_len"),
+    "num_threads": ("model", "num_threads"),
     "cache_dir": ("model", "cache_dir"),
     "kv_cache": ("cache", "kind"),
     "page_size": ("cache", "page_size"),
@@ -105,3 +107,27 @@ class EngineConfig(_Strict):
             section, field = _FLAT_KEYS[key]
             data[section][field] = value
         return type(self).model_validate(data)
+
+
+class ServerConfig(_Strict):
+    """The HTTP side: the model name clients send, and request limits."""
+
+    served_model_name: str | None = Field(None, description="the `model` clients send; defaults to the model option")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
+
+
+class AppConfig(_Strict):
+    """The `args` of the Serve application: flat engine options plus the server fields."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
+        args = dict(args or {})
+        server = {key: args.pop(key) for key in list(args) if key in ServerConfig.model_fields}
+        return cls(engine=EngineConfig.from_options(**args), server=ServerConfig(**server))
+
+    @property
+    def served_model_name(self) -> str:
+        return self.server.served_model_name or self.engine.model.name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -15,12 +16,12 @@ from serve_app.kv.factory import build_kv_cache
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
 from serve_app.model.tokenizer import Tokenizer
-from serve_app.request import GenerateRequest, GenerateResult, StreamDelta, Usage
+from serve_app.request import GenerateRequest, GenerateResult, InvalidRequestError, StreamDelta, Usage
 from serve_app.scheduler import InferenceScheduler
 from serve_app.stopping import StopStringMatcher
 from serve_app.task import Task
 
-__all__ = ["GenerateRequest", "GenerateResult", "InferenceEngine", "StreamDelta", "Usage"]
+__all__ = ["GenerateRequest", "GenerateResult", "InferenceEngine", "InvalidRequestError", "StreamDelta", "Usage"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class InferenceEngine:
         self.cache = build_kv_cache(self.config.cache, self.runner.kv_shape, self.max_model_len, self.runner.device)
         self.scheduler = InferenceScheduler(self.runner, self.cache, self.config.scheduler, self.max_model_len)
         self._task_ids = itertools.count(1)
+        self.created = int(time.time())
         self.scheduler.start()
 
     @property
@@ -61,18 +63,13 @@ class InferenceEngine:
     # -- submitting ---------------------------------------------------------------------------
     def submit(self, request: GenerateRequest) -> GenerateResult:
         """Validate, tokenize and queue one request; raise ValueError before queueing anything bad."""
-        prompt_ids = self._prompt_ids(request)
-        limit = min(self.max_model_len, self.cache.max_task_tokens)
-        if len(prompt_ids) >= limit:
-            raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens leave no room to generate "
-                f"(max_model_len={self.max_model_len}, cache holds {self.cache.max_task_tokens} tokens per task)"
-            )
+        prompt_ids = self.prompt_ids(request)
+        max_tokens = self._check_lengths(prompt_ids, request.max_tokens)
         vocab = self.runner.vocab_size
         for field, ids in (("prompt", prompt_ids), ("stop_token_ids", request.stop_token_ids)):
             bad = next((i for i in ids if not 0 <= i < vocab), None)
             if bad is not None:
-                raise ValueError(f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+                raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         params = request.sampling_params()
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
@@ -88,26 +85,54 @@ class InferenceEngine:
             prompt_len=len(prompt_ids),
             tokens=list(prompt_ids),
             params=params,
-            max_tokens=request.max_tokens,
+            max_tokens=max_tokens,
             stop_token_ids=frozenset(stop_ids),
             cache_salt=request.cache_salt,
             result=result,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stop_strings=StopStringMatcher(request.stop),
             generator=generator,
+            logprobs=request.logprobs,
         )
         self.scheduler.submit(task)
         return result
 
-    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+    def _check_lengths(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """The request's token budget; the prompt and `max_tokens` must fit the context and the cache."""
+        limit = min(self.max_model_len, self.cache.max_task_tokens)
+        if len(prompt_ids) >= limit:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(prompt_ids)} tokens leave no room to generate "
+                f"(max_model_len={self.max_model_len}, the cache holds {self.cache.max_task_tokens} tokens per request)",
+            )
+        room = limit - len(prompt_ids)
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"{max_tokens} new tokens do not fit: the prompt has {len(prompt_ids)} tokens and the context "
+                f"holds {limit}, so at most {room} can be generated",
+            )
+        return max_tokens
+
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """The token ids the engine feeds for a request: chat through the template, text encoded, ids as they are."""
         if request.messages is not None:
             return self.tokenizer.encode_chat(request.messages)
         if isinstance(request.prompt, str):
             ids = self.tokenizer.encode(request.prompt)
             if not ids:
-                raise ValueError("prompt: encodes to no tokens")
+                raise InvalidRequestError("prompt", "encodes to no tokens")
             return ids
         return list(request.prompt or [])
+
+    async def stream_async(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """Deltas for one request, at most one per engine step (those that piled up arrive merged)."""
+        result = self.submit(request)
+        async for delta in result.astream(coalesce=True):
+            yield delta
 
     def abort(self, task_id: int) -> None:
         """Cancel a task; its cache is freed at the next step."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -15,6 +15,15 @@ from serve_app.sampling import SamplingParams
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before queueing it; `param` names the offending field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
 class GenerateRequest(BaseModel):
     """One generation: a prompt (text or token ids) or chat messages, sampling and stop settings."""
 
@@ -22,7 +31,7 @@ class GenerateRequest(BaseModel):
 
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, description="None: up to the end of the model's context")
     temperature: float = Field(1.0, ge=0.0)
     top_k: int = Field(50, ge=-1)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -35,6 +44,7 @@ class GenerateRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     cache_salt: str = ""
+    logprobs: int | None = Field(None, ge=0, le=20, description="also return each token's logprob and this many top ones")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -88,12 +98,40 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model, and the most likely tokens at its position."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StreamDelta:
-    """What one engine step produced for one request: new text and token ids; the last one has a reason."""
+    """New text and token ids for one request. The last delta has a finish reason and the usage."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    stop_string: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+
+def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
+    """Several consecutive deltas as one (for a consumer that fell behind)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return replace(
+        last,
+        text="".join(d.text for d in deltas),
+        token_ids=tuple(t for d in deltas for t in d.token_ids),
+        logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+        usage=last.usage or next((d.usage for d in deltas if d.usage is not None), None),
+    )
 
 
 @dataclass
@@ -107,6 +145,8 @@ class GenerateResult:
     finish_reason: FinishReason | None = None
     error: str | None = None
     cached_tokens: int = 0
+    stop_string: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     _deltas: list[StreamDelta] = field(default_factory=list, repr=False)
     _done: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _new_delta: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -121,14 +161,21 @@ class GenerateResult:
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, len(self.token_ids), self.cached_tokens)
 
-    def publish(self, delta: StreamDelta, error: str | None = None) -> None:
-        """Called by the scheduler thread: record a delta and wake every waiter."""
+    def publish(self, delta: StreamDelta) -> None:
+        """Called by the scheduler thread: record a delta and wake every waiter.
+
+        The first and the final delta (the one with a finish reason) carry the request's usage.
+        """
         with self._done:
             self.text += delta.text
             self.token_ids.extend(delta.token_ids)
+            self.logprobs.extend(delta.logprobs)
             if delta.finish_reason is not None:
                 self.finish_reason = delta.finish_reason
-                self.error = error
+                self.error = delta.error
+                self.stop_string = delta.stop_string
+            if delta.finish_reason is not None or not self._deltas:
+                delta = replace(delta, usage=self.usage)
             self._deltas.append(delta)
             self._new_delta.set()
             self._done.notify_all()
@@ -181,8 +228,11 @@ class GenerateResult:
             if not finished and self._on_abandon is not None:
                 self._on_abandon(self.task_id)
 
-    async def astream(self) -> AsyncIterator[StreamDelta]:
-        """Deltas as they come, for asyncio. Cancelling or closing it early cancels the request."""
+    async def astream(self, coalesce: bool = False) -> AsyncIterator[StreamDelta]:
+        """Deltas as they come, for asyncio. Cancelling or closing it early cancels the request.
+
+        With `coalesce`, deltas that piled up while the consumer was busy arrive as one.
+        """
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
 
@@ -196,6 +246,8 @@ class GenerateResult:
             while True:
                 items, finished = self._take(seen)
                 seen += len(items)
+                if coalesce and len(items) > 1:
+                    items = [merge_deltas(items)]
                 for item in items:
                     yield item
                 if finished:

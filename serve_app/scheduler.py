@@ -18,7 +18,7 @@ import torch
 from serve_app.config import SchedulerConfig
 from serve_app.kv.base import BatchEntry, KVCache
 from serve_app.model.runner import ForwardBatch, ModelRunner
-from serve_app.request import StreamDelta
+from serve_app.request import StreamDelta, TokenLogprob
 from serve_app.sampling import SamplingBatch, SamplingPipeline
 from serve_app.task import Task, TaskState
 
@@ -64,6 +64,10 @@ class InferenceScheduler:
             self._wake.notify()
         self._thread.join(timeout=30)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, task: Task) -> None:
         with self._wake:
             if self._stopped:
@@ -98,7 +102,7 @@ class InferenceScheduler:
             except Exception as exc:  # a failed step must not stop the loop; its tasks fail instead
                 logger.exception("engine step failed")
                 for task in list(self.running):
-                    self._finish(task, StreamDelta("", (), "error"), error=f"engine step failed: {exc}")
+                    self._finish(task, StreamDelta("", (), "error", error=f"engine step failed: {exc}"))
         for task in [*self.running, *self.waiting, *self._inbox]:
             self._finish(task, StreamDelta("", (), "cancelled"))
 
@@ -133,14 +137,37 @@ class InferenceScheduler:
             prompt_ids=[t.tokens[: t.prompt_len] if t.params.has_penalties else () for t in tasks],
             output_ids=[t.output_ids if t.params.has_penalties else () for t in tasks],
         )
-        next_tokens = self.sampler(logits, batch).tolist()
-        for task, token in zip(tasks, next_tokens):
-            delta = task.accept(int(token), self.max_model_len)
+        next_tokens = self.sampler(logits, batch)
+        logprobs = self._logprobs(logits, next_tokens, tasks)
+        for task, token, logprob in zip(tasks, next_tokens.tolist(), logprobs):
+            delta = task.accept(int(token), self.max_model_len, logprob)
             self.stats.total_tokens += 1
             if delta.finish_reason is not None:
                 self._finish(task, delta)
             else:
                 task.result.publish(delta)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, tasks: list[Task]) -> list[TokenLogprob | None]:
+        """The model's log-probabilities (before any sampling transform) for tasks that asked for them."""
+        rows = [i for i, t in enumerate(tasks) if t.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(tasks)
+        if not rows:
+            return out
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        log_probs = torch.log_softmax(logits[index], dim=-1)
+        chosen = log_probs.gather(1, tokens[index][:, None])[:, 0].tolist()
+        top_k = max(tasks[i].logprobs or 0 for i in rows)
+        top_values, top_ids = log_probs.topk(top_k, dim=-1) if top_k else (None, None)
+        decode = self.runner.tokenizer.decode
+        for j, i in enumerate(rows):
+            token = int(tokens[i])
+            count = tasks[i].logprobs or 0
+            top = ()
+            if count:
+                ids, values = top_ids[j, :count].tolist(), top_values[j, :count].tolist()
+                top = tuple((t, decode([t]), v) for t, v in zip(ids, values))
+            out[i] = TokenLogprob(token, decode([token]), chosen[j], top)
+        return out
 
     # -- memory -----------------------------------------------------------------------------
     def _make_room_for_decodes(self) -> None:
@@ -207,7 +234,7 @@ class InferenceScheduler:
         for task in [t for t in [*self.running, *self.waiting] if t.task_id in task_ids]:
             self._finish(task, StreamDelta("", (), "cancelled"))
 
-    def _finish(self, task: Task, delta: StreamDelta, error: str | None = None) -> None:
+    def _finish(self, task: Task, delta: StreamDelta) -> None:
         """Free the task's memory, then publish its final delta."""
         if task.state is TaskState.RUNNING:
             self.cache.release(task.task_id)
@@ -215,5 +242,5 @@ class InferenceScheduler:
         elif task in self.waiting:
             self.waiting.remove(task)
         task.state = TaskState.FINISHED
-        task.result.publish(delta, error=error)
+        task.result.publish(delta)
 

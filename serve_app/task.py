@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.model.detokenizer import IncrementalDetokenizer
-from serve_app.request import FinishReason, GenerateResult, StreamDelta
+from serve_app.request import FinishReason, GenerateResult, StreamDelta, TokenLogprob
 from serve_app.sampling import SamplingParams
 from serve_app.stopping import StopStringMatcher
 
@@ -34,6 +34,7 @@ class Task:
     detokenizer: IncrementalDetokenizer
     stop_strings: StopStringMatcher
     generator: torch.Generator | None = None
+    logprobs: int | None = None
     state: TaskState = TaskState.WAITING
     num_computed: int = 0
     admitted_once: bool = False
@@ -54,21 +55,28 @@ class Task:
     def is_prefilling(self) -> bool:
         return self.num_computed < self.num_tokens - 1
 
-    def accept(self, token: int, max_model_len: int) -> StreamDelta:
+    def accept(self, token: int, max_model_len: int, logprob: TokenLogprob | None = None) -> StreamDelta:
         """Append a sampled token; return the text it adds and, when it ends the task, why."""
         self.tokens.append(token)
+        logprobs = (logprob,) if logprob is not None else ()
         if token in self.stop_token_ids:
-            return self.closing_delta("stop", (token,))
+            return self.closing_delta("stop", (token,), logprobs=logprobs)
         text = self.stop_strings.feed(self.detokenizer.push(token))
         if self.stop_strings.matched is not None:
-            return StreamDelta(text, (token,), "stop")
+            return StreamDelta(text, (token,), "stop", logprobs, stop_string=self.stop_strings.matched)
         if self.num_output >= self.max_tokens or self.num_tokens >= max_model_len:
-            return self.closing_delta("length", (token,), text)
-        return StreamDelta(text, (token,))
+            return self.closing_delta("length", (token,), text, logprobs)
+        return StreamDelta(text, (token,), logprobs=logprobs)
 
-    def closing_delta(self, reason: FinishReason, token_ids: tuple[int, ...] = (), text: str = "") -> StreamDelta:
+    def closing_delta(
+        self,
+        reason: FinishReason,
+        token_ids: tuple[int, ...] = (),
+        text: str = "",
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> StreamDelta:
         """The last delta: `text` plus whatever the detokenizer and stop matcher still hold."""
         text += self.stop_strings.feed(self.detokenizer.flush())
         if self.stop_strings.matched is not None:
-            return StreamDelta(text, token_ids, "stop")
-        return StreamDelta(text + self.stop_strings.flush(), token_ids, reason)
+            return StreamDelta(text, token_ids, "stop", logprobs, stop_string=self.stop_strings.matched)
+        return StreamDelta(text + self.stop_strings.flush(), token_ids, reason, logprobs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +54,9 @@ class ModelRunner:
         self.path = resolve_model_path(config.name, config.cache_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            # Ray sets OMP_NUM_THREADS to a replica's CPU reservation; the model wants every core.
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         hf_config = AutoConfig.from_pretrained(self.path)
         self.hf_config = hf_config
         generation = GenerationConfig.from_pretrained(self.path) if (self.path / "generation_config.json").is_file() else None

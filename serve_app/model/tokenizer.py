@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from serve_app.request import InvalidRequestError
+
 ChatMessage = dict[str, Any]
 
 
@@ -28,7 +30,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
         if not self.hf.chat_template:
-            raise ValueError("messages: this model has no chat template; send a plain prompt instead")
+            raise InvalidRequestError("messages", "this model has no chat template; send a plain prompt instead")
         return self.hf.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
         )

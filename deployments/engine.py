@@ -1,0 +1,71 @@
+"""EngineDeployment: one InferenceEngine per replica, streaming deltas through an async generator."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.config import AppConfig
+from serve_app.engine import InferenceEngine
+from serve_app.protocols.engine_client import EngineEvent, count_tokens, engine_events, model_info
+from serve_app.request import GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+REPORT_EVERY_S = 0.2
+HEARTBEAT_S = 1.0
+
+
+@serve.deployment(name="EngineDeployment", max_ongoing_requests=256)
+class EngineDeployment:
+    """Loads the model in its constructor, so a replica only takes traffic once it can serve it."""
+
+    def __init__(self, config: dict[str, Any], stats_board: DeploymentHandle) -> None:
+        app_config = AppConfig.model_validate(config)
+        self.engine = InferenceEngine(config=app_config.engine)
+        self.info = model_info(self.engine, app_config.served_model_name)
+        self._board = stats_board
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
+        self._stopped = threading.Event()
+        self._reporter = threading.Thread(target=self._report_stats, name="stats-reporter", daemon=True)
+        self._reporter.start()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
+        async for event in engine_events(self.engine, request):
+            yield event
+
+    def count_tokens(self, request: GenerateRequest) -> int:
+        return count_tokens(self.engine, request)
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.get_stats()
+
+    def check_health(self) -> None:
+        if not self.engine.scheduler.alive:
+            raise RuntimeError("the engine's scheduler thread has stopped")
+
+    def _report_stats(self) -> None:
+        """Push stats to the board when they change, and at least every HEARTBEAT_S."""
+        last: dict[str, int] | None = None
+        waited = HEARTBEAT_S
+        while not self._stopped.wait(REPORT_EVERY_S):
+            waited += REPORT_EVERY_S
+            stats = self.engine.get_stats()
+            if stats == last and waited < HEARTBEAT_S:
+                continue
+            try:
+                self._board.report.remote(self._replica_id, stats, self.info)
+                last, waited = stats, 0.0
+            except Exception:  # the board may be restarting; the next round retries
+                logger.warning("could not report stats", exc_info=True)
+
+    def __del__(self) -> None:
+        self._stopped.set()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

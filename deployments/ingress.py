@@ -1,0 +1,72 @@
+"""Ingress: the HTTP API (serve_app.server) with an engine client made of Ray Serve handles."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.config import AppConfig
+from serve_app.protocols.base import EngineClient, ModelInfo
+from serve_app.protocols.engine_client import deltas_from_events
+from serve_app.protocols.errors import ProtocolError
+from serve_app.request import GenerateRequest, StreamDelta
+from serve_app.server import ServerContext, create_api
+
+# How long a readiness answer from the board is trusted.
+READY_TTL_S = 0.5
+
+
+class RayEngineClient(EngineClient):
+    """Generation streams from the engine deployment; readiness, model info and stats from the board."""
+
+    def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle) -> None:
+        self._engine = engine
+        self._stream = engine.options(stream=True)
+        self._board = stats_board
+        self._info: ModelInfo | None = None
+        self._ready = False
+        self._checked = 0.0
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        events = self._stream.generate.remote(request)
+        try:
+            async for delta in deltas_from_events(events):
+                yield delta
+        finally:
+            events.cancel()
+
+    async def count_tokens(self, request: GenerateRequest) -> int:
+        return await self._engine.count_tokens.remote(request)
+
+    async def model_info(self) -> ModelInfo:
+        if self._info is None and not await self.ready():
+            raise ProtocolError("not_ready", "Engine not initialized")
+        assert self._info is not None
+        return self._info
+
+    async def stats(self) -> dict[str, int]:
+        return await self._board.summed.remote()
+
+    async def ready(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked > READY_TTL_S:
+            self._ready, info = await self._board.status.remote()
+            self._info = self._info or info
+            self._checked = now
+        return self._ready and self._info is not None
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle, config: dict[str, Any]) -> None:
+        app_config = AppConfig.model_validate(config)
+        self.context = ServerContext(RayEngineClient(engine, stats_board), app_config.server)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_api(self.context)

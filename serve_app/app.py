@@ -1,0 +1,28 @@
+"""build_app(args): the Serve application graph, Ingress -> EngineDeployment, with the StatsBoard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from ray.serve import Application
+
+from serve_app.config import AppConfig
+from serve_app.model.loader import resolve_model_path
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Validate the application args, prepare the model once, and bind the deployments."""
+    from deployments.engine import EngineDeployment
+    from deployments.ingress import Ingress
+    from deployments.stats_board import StatsBoard
+
+    try:
+        config = AppConfig.from_args(args)
+    except ValidationError as error:
+        raise ValueError(f"invalid serve_app application args:\n{error}") from None
+    resolve_model_path(config.engine.model.name, config.engine.model.cache_dir)
+    dumped = config.model_dump(mode="json")
+    board = StatsBoard.bind()
+    engine = EngineDeployment.bind(dumped, board)
+    return Ingress.bind(engine, board, dumped)

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the server: requests, tokens, latencies, and the engines' state at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from serve_app.protocols.base import Choice, RequestObserver
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineStateCollector:
+    """Reads the latest engine stats snapshot when Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, int] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        yield GaugeMetricFamily("serve_app_requests_running", "Requests being generated.", value=s.get("active_tasks", 0))
+        yield GaugeMetricFamily("serve_app_requests_waiting", "Requests queued for admission.", value=s.get("waiting_queue", 0))
+        total = s.get("kv_pages_total", 0)
+        used = (total - s.get("kv_pages_free", 0)) / total if total else 0.0
+        yield GaugeMetricFamily("serve_app_kv_cache_usage_ratio", "Fraction of KV cache pages in use or cached.", value=used)
+        yield CounterMetricFamily(
+            "serve_app_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+            value=s.get("prefix_cache_hit_tokens", 0),
+        )
+        yield CounterMetricFamily("serve_app_preemptions", "Requests preempted by recompute.", value=s.get("preemptions", 0))
+
+
+class ServerMetrics(RequestObserver):
+    """One registry per server process; request metrics are observed as requests finish."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "serve_app_requests", "Finished requests (choices) by finish reason.", ["finish_reason"], registry=self.registry
+        )
+        self.prompt_tokens = Counter("serve_app_prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry)
+        self.generation_tokens = Counter("serve_app_generation_tokens", "Generated tokens.", registry=self.registry)
+        self.ttft = Histogram(
+            "serve_app_time_to_first_token_seconds", "Time to the first token.", buckets=_LATENCY_BUCKETS, registry=self.registry
+        )
+        self.tpot = Histogram(
+            "serve_app_time_per_output_token_seconds", "Time between output tokens.", buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._engine_state = _EngineStateCollector()
+        self.registry.register(self._engine_state)
+
+    def on_finish(self, ttft: float | None, gaps: Sequence[float], choice: Choice) -> None:
+        self.requests.labels(finish_reason=choice.finish_reason or "cancelled").inc()
+        if choice.usage is not None:
+            self.prompt_tokens.inc(choice.usage.prompt_tokens)
+        self.generation_tokens.inc(len(choice.token_ids))
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        for gap in gaps:
+            self.tpot.observe(gap)
+
+    def render(self, engine_stats: dict[str, int]) -> bytes:
+        self._engine_state.stats = engine_stats
+        return generate_latest(self.registry)

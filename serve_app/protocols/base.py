@@ -1,0 +1,284 @@
+"""The protocol strategy: `ResponseBuilder` per API, `ProtocolHandler` to run one request, `EngineClient`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from serve_app.protocols.errors import ProtocolError, from_validation_error
+from serve_app.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model a server answers for."""
+
+    id: str
+    max_model_len: int
+    created: int
+
+
+class EngineClient(ABC):
+    """How the protocol layer reaches an engine: in process, or through Ray Serve handles."""
+
+    @abstractmethod
+    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """Deltas of one request; raises ProtocolError (before any delta) for a request the engine refuses."""
+
+    @abstractmethod
+    async def count_tokens(self, request: GenerateRequest) -> int: ...
+
+    @abstractmethod
+    async def model_info(self) -> ModelInfo: ...
+
+    @abstractmethod
+    async def stats(self) -> dict[str, int]: ...
+
+    @abstractmethod
+    async def ready(self) -> bool: ...
+
+
+@dataclass
+class PreparedRequest:
+    """A validated protocol request: the engine requests (one per choice) and how to answer."""
+
+    requests: list[GenerateRequest]
+    stream: bool
+    model: str
+    choices_per_prompt: int = 1
+    include_usage: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Choice:
+    """One choice's output as it accumulates."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_string: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.usage is not None:
+            self.usage = delta.usage
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_string = delta.stop_string
+            self.error = delta.error
+
+
+def total_usage(prepared: PreparedRequest, choices: Sequence[Choice]) -> Usage:
+    """Usage over all choices: each prompt counted once, completions summed."""
+    prompt = cached = completion = 0
+    for choice in choices:
+        usage = choice.usage or Usage(0, 0, 0)
+        if choice.index % prepared.choices_per_prompt == 0:
+            prompt += usage.prompt_tokens
+            cached += usage.cached_tokens
+        completion += len(choice.token_ids)
+    return Usage(prompt, completion, cached)
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {event}\ndata: {payload}\n\n" if event else f"data: {payload}\n\n"
+
+
+class ResponseBuilder(ABC):
+    """One API's request parsing and response shapes. Adding a protocol is one builder."""
+
+    @abstractmethod
+    def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
+        """Validate the JSON body; raise ProtocolError naming the field on bad input."""
+
+    @abstractmethod
+    def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+        """Events before the first text (the first delta of every choice is already in `choices`)."""
+
+    @abstractmethod
+    def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]: ...
+
+    @abstractmethod
+    def format_stream_end(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]: ...
+
+    @abstractmethod
+    def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def format_error(self, error: ProtocolError) -> dict[str, Any]: ...
+
+    def error_response(self, error: ProtocolError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+        return JSONResponse(self.format_error(error), status_code=error.status, headers=headers)
+
+
+class RequestObserver(ABC):
+    """Told about each request's timing and outcome (the server's metrics)."""
+
+    @abstractmethod
+    def on_finish(self, ttft: float | None, gaps: Sequence[float], choice: Choice) -> None: ...
+
+
+class ProtocolHandler:
+    """Runs one request: prepare, start the engine streams, then stream events or build the response."""
+
+    def __init__(self, builder: ResponseBuilder, engine: EngineClient, observer: RequestObserver | None = None) -> None:
+        self.builder = builder
+        self.engine = engine
+        self.observer = observer
+
+    async def handle(self, body: Any) -> Response:
+        try:
+            if not await self.engine.ready():
+                raise ProtocolError("not_ready", "Engine not initialized")
+            prepared = self.builder.prepare(body, await self.engine.model_info())
+            streams = [_TimedStream(self.engine.stream(r)) for r in prepared.requests]
+            firsts = await _first_deltas(streams)
+        except ValidationError as error:
+            return self.builder.error_response(from_validation_error(error))
+        except ProtocolError as error:
+            return self.builder.error_response(error)
+        choices = [Choice(index=i) for i in range(len(streams))]
+        for choice, first in zip(choices, firsts):
+            choice.add(first)
+        if prepared.stream:
+            return StreamingResponse(self._events(prepared, streams, choices, firsts), media_type="text/event-stream")
+        try:
+            await _drain(streams, choices)
+        finally:
+            await _close(streams)
+        self._observe(streams, choices)
+        failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            return self.builder.error_response(ProtocolError("internal", failed.error or "generation failed"))
+        return JSONResponse(self.builder.format_response(prepared, choices))
+
+    async def _events(
+        self,
+        prepared: PreparedRequest,
+        streams: list[_TimedStream],
+        choices: list[Choice],
+        firsts: list[StreamDelta],
+    ) -> AsyncIterator[str]:
+        builder = self.builder
+        try:
+            for event in builder.format_stream_start(prepared, choices):
+                yield event
+            for choice, first in zip(choices, firsts):
+                for event in builder.format_chunk(prepared, choice, first):
+                    yield event
+            async for index, delta in _merged(streams, choices):
+                choice = choices[index]
+                choice.add(delta)
+                for event in builder.format_chunk(prepared, choice, delta):
+                    yield event
+            for event in builder.format_stream_end(prepared, choices):
+                yield event
+        finally:
+            await _close(streams)
+            self._observe(streams, choices)
+
+    def _observe(self, streams: Sequence[_TimedStream], choices: Sequence[Choice]) -> None:
+        if self.observer is None:
+            return
+        for stream, choice in zip(streams, choices):
+            self.observer.on_finish(stream.ttft, stream.gaps, choice)
+
+
+class _TimedStream:
+    """An engine stream that remembers when its token-carrying deltas arrived."""
+
+    def __init__(self, stream: AsyncIterator[StreamDelta]) -> None:
+        self.stream = stream
+        self.start = time.perf_counter()
+        self.ttft: float | None = None
+        self.gaps: list[float] = []
+        self._last = 0.0
+
+    async def next(self) -> StreamDelta:
+        delta = await self.stream.__anext__()
+        if delta.token_ids:
+            now = time.perf_counter()
+            if self.ttft is None:
+                self.ttft = now - self.start
+            else:
+                # A merged delta of k tokens spreads its gap over them.
+                gap = (now - self._last) / len(delta.token_ids)
+                self.gaps.extend([gap] * len(delta.token_ids))
+            self._last = now
+        return delta
+
+    async def aclose(self) -> None:
+        closer = getattr(self.stream, "aclose", None)
+        if closer is not None:
+            await closer()
+
+
+async def _first_deltas(streams: Sequence[_TimedStream]) -> list[StreamDelta]:
+    """Every stream's first delta; a refused request closes all of them and raises."""
+    results = await asyncio.gather(*(s.next() for s in streams), return_exceptions=True)
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        await _close(streams)
+        if isinstance(error, StopAsyncIteration):
+            raise ProtocolError("internal", "the engine closed the stream without output")
+        raise error
+    return list(results)  # type: ignore[arg-type]
+
+
+async def _merged(streams: Sequence[_TimedStream], choices: Sequence[Choice]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """(choice index, delta) from every unfinished stream, in arrival order."""
+    live = [i for i, c in enumerate(choices) if c.finish_reason is None]
+    if len(live) == 1:
+        index = live[0]
+        while True:
+            delta = await streams[index].next()
+            yield index, delta
+            if delta.finish_reason is not None:
+                return
+    pending = {asyncio.ensure_future(streams[i].next()): i for i in live}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                index = pending.pop(future)
+                delta = future.result()
+                yield index, delta
+                if delta.finish_reason is None:
+                    pending[asyncio.ensure_future(streams[index].next())] = index
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+async def _drain(streams: Sequence[_TimedStream], choices: list[Choice]) -> None:
+    async for index, delta in _merged(streams, choices):
+        choices[index].add(delta)
+
+
+async def _close(streams: Sequence[_TimedStream]) -> None:
+    for stream in streams:
+        try:
+            await stream.aclose()
+        except Exception:  # closing is best effort: the stream may already be gone
+            pass

@@ -1,0 +1,90 @@
+"""Engine events across a process boundary, and the in-process `EngineClient`.
+
+The engine side (`engine_events`) turns a refused request into a `RequestRefused` event, which
+pickles through Ray streams; the client side (`deltas_from_events`) turns it back into a
+`ProtocolError` before any delta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from serve_app.engine import InferenceEngine
+from serve_app.protocols.base import EngineClient, ModelInfo
+from serve_app.protocols.errors import ErrorKind, ProtocolError
+from serve_app.request import GenerateRequest, InvalidRequestError, StreamDelta
+
+
+@dataclass(frozen=True)
+class RequestRefused:
+    """The engine would not take a request."""
+
+    kind: ErrorKind
+    message: str
+    param: str | None = None
+
+
+EngineEvent = StreamDelta | RequestRefused
+
+
+async def engine_events(engine: InferenceEngine | None, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
+    """One request's deltas (merged when the reader falls behind), or a single `RequestRefused`."""
+    if engine is None:
+        yield RequestRefused("not_ready", "Engine not initialized")
+        return
+    try:
+        result = engine.submit(request)
+    except InvalidRequestError as error:
+        yield RequestRefused("invalid_request", str(error), error.param)
+        return
+    except ValueError as error:
+        yield RequestRefused("invalid_request", str(error))
+        return
+    async for delta in result.astream(coalesce=True):
+        yield delta
+
+
+async def deltas_from_events(events: AsyncIterator[Any]) -> AsyncIterator[StreamDelta]:
+    """Deltas from an event stream; a `RequestRefused` raises ProtocolError."""
+    try:
+        async for event in events:
+            if isinstance(event, RequestRefused):
+                raise ProtocolError(event.kind, event.message, event.param)
+            yield event
+    finally:
+        closer = getattr(events, "aclose", None)
+        if closer is not None:
+            await closer()
+
+
+def model_info(engine: InferenceEngine, served_name: str) -> ModelInfo:
+    return ModelInfo(id=served_name, max_model_len=engine.max_model_len, created=engine.created)
+
+
+class LocalEngineClient(EngineClient):
+    """An `InferenceEngine` in this process."""
+
+    def __init__(self, engine: InferenceEngine, served_name: str) -> None:
+        self.engine = engine
+        self.info = model_info(engine, served_name)
+
+    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        return deltas_from_events(engine_events(self.engine, request))
+
+    async def count_tokens(self, request: GenerateRequest) -> int:
+        return count_tokens(self.engine, request)
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def stats(self) -> dict[str, int]:
+        return self.engine.get_stats()
+
+    async def ready(self) -> bool:
+        return True
+
+
+def count_tokens(engine: InferenceEngine, request: GenerateRequest) -> int:
+    return len(engine.prompt_ids(request))

@@ -1,0 +1,46 @@
+"""ProtocolError: a client-facing failure with its HTTP status; each protocol renders it in its own shape."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ValidationError
+
+ErrorKind = Literal[
+    "invalid_request", "authentication", "permission", "not_found", "too_large", "rate_limit", "not_ready", "internal"
+]
+
+STATUS = {
+    "invalid_request": 400,
+    "authentication": 401,
+    "permission": 403,
+    "not_found": 404,
+    "too_large": 413,
+    "rate_limit": 429,
+    "internal": 500,
+    "not_ready": 503,
+}
+
+
+class ProtocolError(Exception):
+    """What went wrong, which field it concerns (`param`) and which HTTP status answers it."""
+
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.status = status or STATUS[kind]
+
+
+def invalid(message: str, param: str | None = None) -> ProtocolError:
+    return ProtocolError("invalid_request", message, param)
+
+
+def from_validation_error(error: ValidationError, prefix: str = "") -> ProtocolError:
+    """The first pydantic error as a 400 naming its field (`messages.0.content`, ...)."""
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first.get("loc", ()) if part not in ("body",))
+    param = f"{prefix}{location}" if location else (prefix.rstrip(".") or None)
+    message = first.get("msg", "invalid value")
+    return invalid(f"{param}: {message}" if param else message, param)

@@ -1,0 +1,391 @@
+"""The OpenAI APIs: `/v1/chat/completions` and the legacy `/v1/completions`, streaming and not."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from serve_app.protocols.base import (
+    Choice,
+    ModelInfo,
+    PreparedRequest,
+    ResponseBuilder,
+    sse,
+    total_usage,
+)
+from serve_app.protocols.errors import ProtocolError, from_validation_error, invalid
+from serve_app.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
+
+_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "too_large": "invalid_request_error",
+    "rate_limit": "rate_limit_error",
+    "not_ready": "service_unavailable",
+    "internal": "internal_error",
+}
+
+
+class _Lenient(BaseModel):
+    # Fields that SDKs send and this server does not use are ignored, as OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    """The sampling and stop fields both OpenAI routes share."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    n: int = Field(1, ge=1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+    user: str | None = None
+
+    def engine_fields(self, max_tokens: int | None, logprobs: int | None, choice: int) -> dict[str, Any]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return dict(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            # Choices of one request differ: each draws from its own seed.
+            seed=None if self.seed is None else self.seed + choice,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            cache_salt=self.cache_salt or "",
+            logprobs=logprobs,
+        )
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: str | None = None
+
+
+def _validate(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def _check_model(name: str, model: ModelInfo) -> None:
+    if name != model.id:
+        raise ProtocolError("invalid_request", f"model: {name!r} is not served here; use {model.id!r}", "model")
+
+
+def _usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _finish_reason(choice: Choice) -> str | None:
+    return choice.finish_reason if choice.finish_reason in (None, "stop", "length") else "stop"
+
+
+class _OpenAIBuilder(ResponseBuilder):
+    """What both OpenAI routes share: errors, usage chunks, the closing `[DONE]`."""
+
+    object_chunk: str
+    id_prefix: str
+
+    def format_error(self, error: ProtocolError) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": error.message,
+                "type": _ERROR_TYPES[error.kind],
+                "param": error.param,
+                "code": error.status,
+            }
+        }
+
+    def _chunk(self, prepared: PreparedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {
+            "id": self._id(prepared),
+            "object": self.object_chunk,
+            "created": prepared.created,
+            "model": prepared.model,
+            "choices": choices,
+        }
+        if prepared.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def format_stream_end(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+        events = []
+        failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            events.append(sse(self.format_error(ProtocolError("internal", failed.error or "generation failed"))))
+        elif prepared.include_usage:
+            chunk = self._chunk(prepared, [])
+            chunk["usage"] = _usage_json(total_usage(prepared, choices))
+            events.append(sse(chunk))
+        events.append(sse("[DONE]"))
+        return events
+
+    def _id(self, prepared: PreparedRequest) -> str:
+        return self.id_prefix + prepared.id
+
+
+class ChatCompletionsBuilder(_OpenAIBuilder):
+    """`POST /v1/chat/completions`."""
+
+    object_chunk = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
+        req: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
+        _check_model(req.model, model)
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
+        ]
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        requests = [
+            GenerateRequest(messages=messages, **req.engine_fields(max_tokens, logprobs, choice))
+            for choice in range(req.n)
+        ]
+        return PreparedRequest(
+            requests=requests,
+            stream=req.stream,
+            model=req.model,
+            choices_per_prompt=req.n,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            options={"logprobs": req.logprobs},
+        )
+
+    def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if not prepared.options["logprobs"]:
+            return None
+        return {
+            "content": [
+                {
+                    "token": lp.token,
+                    "logprob": lp.logprob,
+                    "bytes": list(lp.token.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+                        for _, text, value in lp.top
+                    ],
+                }
+                for lp in logprobs
+            ]
+        }
+
+    def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+        return [
+            sse(
+                self._chunk(
+                    prepared,
+                    [
+                        {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                        for c in choices
+                    ],
+                )
+            )
+        ]
+
+    def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
+        events = []
+        if delta.text or delta.logprobs and prepared.options["logprobs"]:
+            events.append(
+                sse(
+                    self._chunk(
+                        prepared,
+                        [
+                            {
+                                "index": choice.index,
+                                "delta": {"content": delta.text},
+                                "logprobs": self._logprobs(prepared, delta.logprobs),
+                                "finish_reason": None,
+                            }
+                        ],
+                    )
+                )
+            )
+        if delta.finish_reason is not None and delta.finish_reason != "error":
+            events.append(
+                sse(
+                    self._chunk(
+                        prepared,
+                        [{"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(choice)}],
+                    )
+                )
+            )
+        return events
+
+    def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
+        return {
+            "id": self._id(prepared),
+            "object": "chat.completion",
+            "created": prepared.created,
+            "model": prepared.model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(prepared, c.logprobs),
+                    "finish_reason": _finish_reason(c),
+                }
+                for c in choices
+            ],
+            "usage": _usage_json(total_usage(prepared, choices)),
+        }
+
+
+class CompletionsBuilder(_OpenAIBuilder):
+    """`POST /v1/completions` (legacy): prompts as text or token ids, several per request."""
+
+    object_chunk = "text_completion"
+    id_prefix = "cmpl-"
+
+    def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
+        req: CompletionRequest = _validate(CompletionRequest, body)
+        _check_model(req.model, model)
+        if req.echo:
+            raise invalid("echo: only false is supported", "echo")
+        if req.suffix:
+            raise invalid("suffix: not supported by this model", "suffix")
+        prompts = _prompts(req.prompt)
+        requests = [
+            GenerateRequest(prompt=prompt, **req.engine_fields(req.max_tokens, req.logprobs, choice))
+            for prompt in prompts
+            for choice in range(req.n)
+        ]
+        return PreparedRequest(
+            requests=requests,
+            stream=req.stream,
+            model=req.model,
+            choices_per_prompt=req.n,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            options={"logprobs": req.logprobs is not None},
+        )
+
+    def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if not prepared.options["logprobs"]:
+            return None
+        return {
+            "tokens": [lp.token for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{text: value for _, text, value in lp.top} for lp in logprobs],
+            "text_offset": [],
+        }
+
+    def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+        return []
+
+    def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return []
+        if delta.finish_reason == "error":
+            return []
+        finish = _finish_reason(choice) if delta.finish_reason is not None else None
+        return [
+            sse(
+                self._chunk(
+                    prepared,
+                    [
+                        {
+                            "index": choice.index,
+                            "text": delta.text,
+                            "logprobs": self._logprobs(prepared, delta.logprobs),
+                            "finish_reason": finish,
+                        }
+                    ],
+                )
+            )
+        ]
+
+    def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
+        return {
+            "id": self._id(prepared),
+            "object": "text_completion",
+            "created": prepared.created,
+            "model": prepared.model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": self._logprobs(prepared, c.logprobs),
+                    "finish_reason": _finish_reason(c),
+                }
+                for c in choices
+            ],
+            "usage": _usage_json(total_usage(prepared, choices)),
+        }
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The legacy `prompt` field as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = list(prompt)  # type: ignore[arg-type]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise invalid("prompt: must not be empty", "prompt")
+    return prompts

@@ -1,0 +1,142 @@
+"""The HTTP API as a FastAPI app: OpenAI and Anthropic routes, models, health, stats and metrics.
+
+The app reads its `ServerContext` (engine client, limits, metrics) from `app.state.context`, so
+the same routes serve behind the Ray Serve ingress and in process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from serve_app.config import ServerConfig
+from serve_app.metrics import CONTENT_TYPE, ServerMetrics
+from serve_app.protocols.anthropic import CountTokensRequest, MessagesBuilder, parse
+from serve_app.protocols.base import EngineClient, ProtocolHandler, ResponseBuilder
+from serve_app.protocols.errors import ProtocolError, invalid
+from serve_app.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
+from serve_app.request import GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerContext:
+    engine: EngineClient
+    config: ServerConfig = field(default_factory=ServerConfig)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request body as JSON: 413 past `limit` bytes, 400 when it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProtocolError("too_large", f"request body is over max_request_bytes={limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ProtocolError("too_large", f"request body is over max_request_bytes={limit}")
+    try:
+        return json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise invalid("request body is not valid UTF-8") from None
+    except json.JSONDecodeError as error:
+        raise invalid(f"malformed JSON: {error.msg} at position {error.pos}") from None
+    except RecursionError:
+        raise invalid("malformed JSON: nested too deeply") from None
+
+
+def create_api(context: ServerContext | None = None) -> FastAPI:
+    api = FastAPI(title="serve-app", description="OpenAI and Anthropic compatible LLM inference")
+    if context is not None:
+        api.state.context = context
+    chat, completions, messages = ChatCompletionsBuilder(), CompletionsBuilder(), MessagesBuilder()
+
+    def ctx(request: Request) -> ServerContext:
+        return request.app.state.context
+
+    async def guarded(builder: ResponseBuilder, work: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            return await work()
+        except ProtocolError as error:
+            return builder.error_response(error)
+        except Exception:  # a server fault, never a client's: answer in the protocol's shape
+            logger.exception("request failed")
+            return builder.error_response(ProtocolError("internal", "internal server error"))
+
+    def generation_route(builder: ResponseBuilder) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            async def work() -> Response:
+                context = ctx(request)
+                body = await read_json(request, context.config.max_request_bytes)
+                return await ProtocolHandler(builder, context.engine, context.metrics).handle(body)
+
+            return await guarded(builder, work)
+
+        return route
+
+    api.add_api_route("/v1/chat/completions", generation_route(chat), methods=["POST"])
+    api.add_api_route("/v1/completions", generation_route(completions), methods=["POST"])
+    api.add_api_route("/v1/messages", generation_route(messages), methods=["POST"])
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        async def work() -> Response:
+            context = ctx(request)
+            if not await context.engine.ready():
+                raise ProtocolError("not_ready", "Engine not initialized")
+            body = await read_json(request, context.config.max_request_bytes)
+            req: CountTokensRequest = parse(CountTokensRequest, body, await context.engine.model_info())
+            count = await context.engine.count_tokens(GenerateRequest(messages=req.chat(), max_tokens=None))
+            return JSONResponse({"input_tokens": count})
+
+        return await guarded(messages, work)
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> Response:
+        async def work() -> Response:
+            engine = ctx(request).engine
+            if not await engine.ready():
+                raise ProtocolError("not_ready", "Engine not initialized")
+            info = await engine.model_info()
+            card = {
+                "id": info.id,
+                "object": "model",
+                "created": info.created,
+                "owned_by": "serve-app",
+                "max_model_len": info.max_model_len,
+            }
+            return JSONResponse({"object": "list", "data": [card]})
+
+        return await guarded(chat, work)
+
+    @api.get("/health")
+    async def health(request: Request) -> Response:
+        if await ctx(request).engine.ready():
+            return JSONResponse({"status": "ok", "model_loaded": True})
+        return JSONResponse({"status": "loading", "model_loaded": False}, status_code=503)
+
+    @api.get("/stats")
+    async def stats(request: Request) -> Response:
+        return await guarded(chat, lambda: _stats(ctx(request)))
+
+    @api.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        async def work() -> Response:
+            context = ctx(request)
+            return Response(context.metrics.render(await context.engine.stats()), media_type=CONTENT_TYPE)
+
+        return await guarded(chat, work)
+
+    return api
+
+
+async def _stats(context: ServerContext) -> Response:
+    return JSONResponse(await context.engine.stats())
