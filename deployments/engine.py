@@ -21,7 +21,7 @@ REPORT_EVERY_S = 0.2
 HEARTBEAT_S = 1.0
 
 
-@serve.deployment(name="EngineDeployment", max_ongoing_requests=256)
+@serve.deployment(name="EngineDeployment", max_ongoing_requests=256, logging_config={"enable_access_log": False})
 class EngineDeployment:
     """Loads the model in its constructor, so a replica only takes traffic once it can serve it."""
 

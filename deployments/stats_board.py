@@ -11,7 +11,12 @@ from ray import serve
 STALE_AFTER_S = 5.0
 
 
-@serve.deployment(name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(
+    name="StatsBoard",
+    num_replicas=1,
+    ray_actor_options={"num_cpus": 0},
+    logging_config={"enable_access_log": False},
+)
 class StatsBoard:
     def __init__(self) -> None:
         self._reports: dict[str, tuple[float, dict[str, int]]] = {}

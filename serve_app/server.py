@@ -125,7 +125,10 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
 
     @api.get("/stats")
     async def stats(request: Request) -> Response:
-        return await guarded(chat, lambda: _stats(ctx(request)))
+        async def work() -> Response:
+            return JSONResponse(await ctx(request).engine.stats())
+
+        return await guarded(chat, work)
 
     @api.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -137,6 +140,3 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
 
     return api
 
-
-async def _stats(context: ServerContext) -> Response:
-    return JSONResponse(await context.engine.stats())

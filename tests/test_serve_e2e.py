@@ -1,0 +1,187 @@
+"""End to end through a real `serve run serve_config.yaml` on loopback, with the official SDKs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from serve_app import GenerateRequest, InferenceEngine
+from tests.servers import ServeRun
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
+    run = ServeRun(tmp_path_factory.mktemp("serve"), args={"cache_tokens": 8192, "max_model_len": 2048})
+    yield run
+    run.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(served: ServeRun) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(served: ServeRun) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _stats(served: ServeRun) -> dict:
+    return httpx.get(f"{served.url}/stats", timeout=10).json()
+
+
+def _wait_idle(served: ServeRun, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    stats = _stats(served)
+    while (stats["active_tasks"] or stats["waiting_queue"] or stats["kv_pages_free"] != stats["kv_pages_total"]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+        stats = _stats(served)
+    return stats
+
+
+def test_health_models_and_config(served: ServeRun) -> None:
+    assert httpx.get(f"{served.url}/health", timeout=10).json() == {"status": "ok", "model_loaded": True}
+    card = httpx.get(f"{served.url}/v1/models", timeout=10).json()["data"][0]
+    assert card["id"] == MODEL and card["max_model_len"] == 2048
+    assert _stats(served)["kv_pages_total"] == 8192 // 16
+
+
+def test_chat_multi_turn_with_system_prompt(oai: openai.OpenAI, engine: InferenceEngine) -> None:
+    messages = [
+        {"role": "system", "content": "You are a geography teacher."},
+        {"role": "user", "content": "What is the capital of Italy?"},
+        {"role": "assistant", "content": "Rome."},
+        {"role": "user", "content": [{"type": "text", "text": "And of Spain?"}]},
+    ]
+    resp = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else "And of Spain?"} for m in messages]
+    expected = engine.generate_with_request(GenerateRequest(messages=flat, max_tokens=24, temperature=0))
+    assert resp.choices[0].message.content == expected
+    assert resp.usage.prompt_tokens == len(engine.tokenizer.encode_chat(flat))
+
+
+def test_greedy_http_equals_in_process_engine_and_streams_match(oai: openai.OpenAI, engine: InferenceEngine) -> None:
+    prompt = "Write two sentences about the moon."
+    expected = engine.generate(prompt, max_tokens=32, temperature=0)
+    done = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=32, temperature=0)
+    assert done.choices[0].text == expected
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=32, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    local = engine.submit(
+        GenerateRequest(messages=[{"role": "user", "content": prompt}], max_tokens=32, temperature=0)
+    ).wait(60)
+    assert text == local.text
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == local.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == local.usage.prompt_tokens
+
+
+def test_stop_sequences_and_n(oai: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Count from one to ten in words."}]
+    full = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0).choices[0].message.content
+    words = full.split()
+    stop = words[len(words) // 2]
+    cut = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    two = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=1.0, n=2, seed=5, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in two.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in two.choices)
+    assert two.usage.completion_tokens == 24
+    assert two.choices[0].message.content != two.choices[1].message.content
+
+
+def test_seeded_sampling_is_reproducible_over_http(oai: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, prompt="A poem about rain:", max_tokens=24, temperature=1.0, seed=77)
+    first = oai.completions.create(**kwargs).choices[0].text
+    assert oai.completions.create(**kwargs).choices[0].text == first
+    others = {oai.completions.create(**{**kwargs, "seed": s}).choices[0].text for s in (1, 2, 3)}
+    assert others != {first}
+
+
+def test_anthropic_messages_stream_and_stop(claude: anthropic.Anthropic, engine: InferenceEngine) -> None:
+    messages = [{"role": "user", "content": "List four animals."}]
+    msg = claude.messages.create(model=MODEL, max_tokens=24, system="Answer briefly.", messages=messages, extra_body={"temperature": 0})
+    expected = engine.generate_with_request(
+        GenerateRequest(messages=[{"role": "system", "content": "Answer briefly."}, *messages], max_tokens=24, temperature=0)
+    )
+    assert msg.content[0].text == expected
+    with claude.messages.stream(
+        model=MODEL, max_tokens=24, system="Answer briefly.", messages=messages, extra_body={"temperature": 0}
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == expected and final.stop_reason == msg.stop_reason
+    stop = expected.split()[1]
+    cut = claude.messages.create(
+        model=MODEL, max_tokens=24, system="Answer briefly.", messages=messages, stop_sequences=[stop],
+        extra_body={"temperature": 0},
+    )
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+
+
+def test_errors_keep_their_shapes_and_the_server_keeps_serving(served: ServeRun, oai: openai.OpenAI) -> None:
+    bad_json = httpx.post(f"{served.url}/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+    too_long = httpx.post(f"{served.url}/v1/completions", json={"model": MODEL, "prompt": "word " * 3000}, timeout=30)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
+    over = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000},
+        timeout=30,
+    )
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+    unknown = httpx.post(f"{served.url}/v1/messages", json={"model": "x", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    huge = httpx.post(f"{served.url}/v1/completions", json={"model": MODEL, "prompt": "x" * (5 * 1024 * 1024)}, timeout=60)
+    assert huge.status_code == 413 and huge.json()["error"]["type"] == "invalid_request_error"
+    assert oai.completions.create(model=MODEL, prompt="Still alive?", max_tokens=4, temperature=0).choices[0].text
+
+
+def test_disconnect_mid_stream_frees_the_pages(served: ServeRun) -> None:
+    idle = _wait_idle(served)
+    total = idle["kv_pages_total"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        for _ in range(8):
+            next(lines)
+        busy = _stats(served)
+    assert busy["active_tasks"] >= 1 or busy["kv_pages_free"] < total
+    stats = _wait_idle(served)
+    assert stats["active_tasks"] == 0 and stats["kv_pages_free"] == total
+    assert stats["total_tokens"] - idle["total_tokens"] < 1500
+
+
+def test_sixteen_concurrent_streaming_clients(oai: openai.OpenAI, engine: InferenceEngine, served: ServeRun) -> None:
+    prompts = [f"Give me fact number {i} about the sea." for i in range(16)]
+    expected = engine.generate([p for p in prompts], max_tokens=24, temperature=0)
+
+    def stream(prompt: str) -> str:
+        chunks = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in chunks)
+
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(stream, prompts))
+    assert texts == expected
+    stats = _wait_idle(served)
+    assert stats["active_tasks"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
