@@ -224,7 +224,8 @@ class InferenceScheduler:
                 break
             budget -= chunk
             scheduled.append((BatchEntry(task.task_id, task.num_computed, chunk), task))
-        scheduled.sort(key=lambda pair: pair[0].num_new != 1)
+        # One-token entries first, longest context first, so the attention can group similar lengths.
+        scheduled.sort(key=lambda pair: (pair[0].num_new != 1, -pair[0].end))
         return [entry for entry, _ in scheduled], [task for _, task in scheduled]
 
     # -- endings ----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ _WORDS = (
 ).split()
 
 
-def make_prompts(count: int, seed: int = 0, long_every: int = 4, long_words: int = 230) -> list[str]:
+def make_prompts(count: int, seed: int = 0, long_every: int = 4, long_words: int = 280) -> list[str]:
     """`count` prompts; every `long_every`-th one is a long passage followed by a question."""
     rng = random.Random(seed)
     prompts = []

@@ -43,8 +43,8 @@ class AttentionGroup:
 class KVCacheView:
     """What the attention function sees for one step: where to write the new k/v, and each context.
 
-    Decode tokens (one new token each) form one group computed together; each prefill chunk is a
-    group of its own. Context gathers go into buffers allocated once per step and reused by every
+    Decode tokens (one new token each) are computed together, in groups of similar context
+    length so that little padding is attended over; each prefill chunk is a group of its own. Context gathers go into buffers allocated once per step and reused by every
     layer.
     """
 
@@ -65,15 +65,17 @@ class KVCacheView:
         decode = [i for i, e in enumerate(entries) if e.num_new == 1]
         if decode != list(range(len(decode))):
             raise ValueError("decode entries must come first in the batch")
-        if decode:
-            self.groups.append(self._decode_group([entries[i] for i in decode], [block_tables[i] for i in decode]))
+        for start, stop in _length_buckets([entries[i].end for i in decode]):
+            self.groups.append(self._decode_group(start, entries[start:stop], block_tables[start:stop]))
         row = len(decode)
         for entry, table in zip(entries[len(decode) :], block_tables[len(decode) :]):
             self.groups.append(self._prefill_group(row, entry, table))
             row += entry.num_new
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _decode_group(self, entries: Sequence[BatchEntry], tables: Sequence[Sequence[int]]) -> AttentionGroup:
+    def _decode_group(
+        self, row: int, entries: Sequence[BatchEntry], tables: Sequence[Sequence[int]]
+    ) -> AttentionGroup:
         device = self.storage.device
         block_len = self.storage.block_len
         lengths = torch.tensor([e.end for e in entries], device=device)
@@ -86,7 +88,7 @@ class KVCacheView:
         )
         mask = torch.arange(context_len, device=device)[None, :] < lengths[:, None]
         return AttentionGroup(
-            rows=slice(0, len(entries)),
+            rows=slice(row, row + len(entries)),
             num_seqs=len(entries),
             q_len=1,
             blocks=blocks,
@@ -136,6 +138,17 @@ class KVCacheView:
                 torch.empty(shape, dtype=self.storage.dtype, device=self.storage.device),
             )
         return self._buffers[index]
+
+
+def _length_buckets(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Split consecutive context lengths (longest first) into runs whose shortest is at least half the longest."""
+    buckets: list[tuple[int, int]] = []
+    start = 0
+    for index in range(1, len(lengths) + 1):
+        if index == len(lengths) or lengths[index] * 2 < lengths[start]:
+            buckets.append((start, index))
+            start = index
+    return buckets
 
 
 @dataclass(frozen=True)

@@ -32,19 +32,27 @@ def kv_cache_attention(
     kv_view.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
     queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
     output = torch.empty_like(queries)
+    n_kv_heads = key.shape[1]
     for index, group in enumerate(kv_view.groups):
         k, v = kv_view.context(layer, index)
-        q = queries[group.rows].view(group.num_seqs, group.q_len, -1, queries.shape[-1]).transpose(1, 2)
+        rows = queries[group.rows]
+        if group.q_len == 1:
+            # Decode: a kv head's query heads become its query rows, so no k/v is repeated.
+            q = rows.view(group.num_seqs, n_kv_heads, -1, rows.shape[-1])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+            output[group.rows] = out.reshape(group.num_seqs, *rows.shape[1:])
+            continue
+        q = rows.view(1, group.q_len, -1, rows.shape[-1]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=group.mask,
             scale=scaling,
-            is_causal=group.mask is None and group.q_len > 1,
+            is_causal=group.mask is None,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-        output[group.rows] = out.transpose(1, 2).reshape(-1, *queries.shape[1:])
+        output[group.rows] = out[0].transpose(0, 1)
     return output.unsqueeze(0), None
 
 
