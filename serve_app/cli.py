@@ -25,6 +25,16 @@ def _bench_engine(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_compare(args: argparse.Namespace) -> None:
+    from serve_app.bench.compare import main
+
+    main(args)
+
+
+def _str_list(text: str) -> list[str]:
+    return [part for part in text.split(",") if part]
+
+
 def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
@@ -48,6 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--seed", type=int, default=0, help="seed of the prompt set")
     engine.add_argument("--json", default=None, help="also write the rows to this JSON file")
     engine.set_defaults(func=_bench_engine)
+
+    compare = bench.add_parser("compare", help="this engine and server against transformers, side by side")
+    compare.add_argument("--prompts", type=int, default=128, help="number of prompts")
+    compare.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    compare.add_argument(
+        "--concurrency", type=_int_list, default=[1, 16, 64, 128], help="requests in flight for engine and http; a list sweeps"
+    )
+    compare.add_argument("--systems", type=_str_list, default=None, help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http")
+    compare.add_argument("--sequential-prompts", type=int, default=8, help="prompts for one-at-a-time generate (it is slow)")
+    compare.add_argument("--seed", type=int, default=0)
+    compare.add_argument("--json", default=None, help="write the report here")
+    compare.add_argument("--plot", default=None, help="write a PNG plot here")
+    compare.set_defaults(func=_bench_compare)
     return parser
 
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from serve_app import GenerateRequest, InferenceEngine
-from tests.servers import ServeRun
+from serve_app.bench.servers import ServeRun
 
 MODEL = "smollm2-135m-instruct"
 

@@ -35,9 +35,17 @@ class _Clock:
 
 
 def run_engine_bench(
-    engine: InferenceEngine, prompts: list[str], concurrency: int, max_tokens: int, system: str = "engine"
-) -> BenchRow:
-    """Keep `concurrency` greedy requests in flight until every prompt has run; return the summary row."""
+    engine: InferenceEngine,
+    prompts: list[str] | list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    system: str = "engine",
+    return_tokens: bool = False,
+):
+    """Keep `concurrency` greedy requests in flight until every prompt has run; return the summary row.
+
+    With `return_tokens`, also return each prompt's generated token ids, in prompt order.
+    """
     pending = list(reversed(prompts))
     slots = threading.Semaphore(concurrency)
     clocks: list[_Clock] = []
@@ -63,7 +71,10 @@ def run_engine_bench(
         result.wait()
     duration = time.perf_counter() - begin
     progress.close()
-    return BenchRow.from_timings(system, concurrency, duration, [c.timing() for c in clocks])
+    row = BenchRow.from_timings(system, concurrency, duration, [c.timing() for c in clocks])
+    if return_tokens:
+        return row, [list(r.token_ids) for r in results]
+    return row
 
 
 def main(args) -> None:

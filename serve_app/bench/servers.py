@@ -1,4 +1,4 @@
-"""Servers for tests: the HTTP app in process (uvicorn thread) and the real `serve run serve_config.yaml`."""
+"""Servers for tests and benchmarks: the HTTP app in process (a uvicorn thread) and a real `serve run`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -46,10 +46,12 @@ class InProcessServer:
 
 
 class ServeRun:
-    """`serve run` on the project's serve_config.yaml, moved to a free port (and any other overrides)."""
+    """`serve run` on a Serve config (the project's by default), moved to a free port, args overridden."""
 
-    def __init__(self, workdir: Path, args: dict | None = None, timeout: float = 240.0) -> None:
-        config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    def __init__(
+        self, workdir: Path, args: dict | None = None, timeout: float = 240.0, config_path: Path | None = None
+    ) -> None:
+        config = yaml.safe_load((config_path or ROOT / "serve_config.yaml").read_text())
         self.port = free_port()
         config["http_options"]["port"] = self.port
         config["applications"][0]["args"].update(args or {})
@@ -81,6 +83,23 @@ class ServeRun:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"serve run not ready after {timeout} s:\n{self.log_tail()}")
+
+    def rss_mb(self) -> float:
+        """Resident memory of the whole `serve run` process tree (driver, Ray, replicas), in MiB."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.process.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0
+        for proc in procs:
+            try:
+                total += proc.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total / 2**20
 
     def log_tail(self, chars: int = 4000) -> str:
         self._log.flush()

@@ -1,0 +1,184 @@
+"""`serve-app bench compare`: every system over the same prompts in one run, side by side, as ratios.
+
+Each in-process system runs in a fresh subprocess (its own memory peak, no shared state); the
+HTTP system is a real `serve run` loaded by an async OpenAI client from this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from serve_app.bench.hardware import decode_ceiling_tok_s, matmul_gflops
+from serve_app.bench.prompts import make_prompts
+from serve_app.bench.stats import BenchRow, format_table
+
+SYSTEMS = ("engine", "hf-sequential", "hf-static", "hf-generate-batch", "http")
+MODEL = "smollm2-135m-instruct"
+
+
+def _token_prompts(model_path: Path, count: int, seed: int) -> list[list[int]]:
+    from serve_app.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_path)
+    return [tokenizer.encode(p) for p in make_prompts(count, seed=seed)]
+
+
+def worker(argv: list[str]) -> None:
+    """Run one in-process system (in this fresh process) and write its rows and tokens as JSON."""
+    from serve_app.bench import systems
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("system")
+    parser.add_argument("--model-path", type=Path, required=True)
+    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--max-tokens", type=int, required=True)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    prompts = json.loads(args.prompts.read_text())
+    if args.system == "engine":
+        result = systems.run_engine(str(args.model_path), prompts, args.concurrency, args.max_tokens)
+    elif args.system == "hf-sequential":
+        result = systems.run_hf_sequential(args.model_path, prompts, args.max_tokens)
+    elif args.system == "hf-static":
+        result = systems.run_hf_static(args.model_path, prompts, args.max_tokens)
+    else:
+        result = systems.run_hf_generate_batch(args.model_path, prompts, args.max_tokens)
+    args.out.write_text(json.dumps({"rows": [asdict(r) for r in result.rows], "tokens": result.tokens}))
+
+
+def _run_worker(system: str, model_path: Path, prompts: list[list[int]], max_tokens: int, concurrency: list[int], tmp: Path):
+    prompt_file = tmp / f"{system}-prompts.json"
+    prompt_file.write_text(json.dumps(prompts))
+    out = tmp / f"{system}.json"
+    command = [
+        sys.executable, "-m", "serve_app.bench.compare", "--worker", system, "--model-path", str(model_path),
+        "--prompts", str(prompt_file), "--max-tokens", str(max_tokens), "--out", str(out),
+        "--concurrency", *map(str, concurrency),
+    ]
+    print(f"running {system} ...", flush=True)
+    subprocess.run(command, check=True)
+    data = json.loads(out.read_text())
+    return [BenchRow(**row) for row in data["rows"]], data["tokens"]
+
+
+def _run_http(prompts: list[list[int]], concurrency: list[int], max_tokens: int, tmp: Path) -> list[BenchRow]:
+    from serve_app.bench.servers import ServeRun
+    from serve_app.bench.systems import run_http
+
+    print("starting serve run ...", flush=True)
+    server = ServeRun(tmp, args={"max_model_len": 2048})
+    peak = [server.rss_mb()]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.5):
+            peak[0] = max(peak[0], server.rss_mb())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        rows = run_http(server.url, MODEL, prompts, concurrency, max_tokens)
+    finally:
+        stop.set()
+        sampler.join()
+        server.stop()
+    return [replace(row, peak_rss_mb=round(peak[0], 1)) for row in rows]
+
+
+def main(args: argparse.Namespace) -> None:
+    from serve_app.config import default_cache_dir
+    from serve_app.model.loader import resolve_model_path
+
+    systems = args.systems or list(SYSTEMS)
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        sys.exit(f"serve-app bench compare: unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    model_path = resolve_model_path(MODEL, default_cache_dir())
+    prompts = _token_prompts(model_path, args.prompts, args.seed)
+    gflops = matmul_gflops()
+    n_params = _parameter_count(model_path)
+    ceiling = decode_ceiling_tok_s(gflops, n_params)
+    rows: list[BenchRow] = []
+    tokens: dict[str, list[list[int]]] = {}
+    with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as tmp:
+        for system in systems:
+            if system == "http":
+                rows += _run_http(prompts, args.concurrency, args.max_tokens, Path(tmp))
+                continue
+            subset = prompts[: args.sequential_prompts] if system == "hf-sequential" else prompts
+            system_rows, system_tokens = _run_worker(system, model_path, subset, args.max_tokens, args.concurrency, Path(tmp))
+            rows += system_rows
+            tokens[system] = system_tokens
+    report = _report(rows, tokens, gflops, n_params, ceiling, args)
+    print(report["text"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(report["json"], indent=2))
+    if args.plot:
+        from serve_app.bench.plot import plot_rows
+
+        plot_rows(rows, args.plot, title=f"{args.prompts} prompts, {args.max_tokens} new tokens, greedy")
+        print(f"plot written to {args.plot}")
+
+
+def _parameter_count(model_path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(model_path / "model.safetensors"), framework="pt") as handle:
+        return sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+
+
+def _report(rows, tokens, gflops, n_params, ceiling, args) -> dict:
+    lines = [format_table(rows), ""]
+    lines.append(f"fp32 matmul: {gflops:.0f} GFLOP/s; {n_params / 1e6:.0f}M parameters -> decode ceiling {ceiling:.0f} tok/s")
+    for row in rows:
+        lines.append(f"  {row.system:>18} c={row.concurrency:<4} {row.output_tok_s:8.1f} tok/s = {row.output_tok_s / ceiling:6.1%} of the ceiling")
+    best_engine = {r.concurrency: r for r in rows if r.system == "engine"}
+    engine_top = max(best_engine.values(), key=lambda r: r.output_tok_s, default=None)
+    ratios = {}
+    if engine_top is not None:
+        for peer in ("hf-sequential", "hf-static", "hf-generate-batch"):
+            row = next((r for r in rows if r.system == peer), None)
+            if row is not None and row.output_tok_s:
+                ratios[f"engine/{peer}"] = round(engine_top.output_tok_s / row.output_tok_s, 2)
+        for row in (r for r in rows if r.system == "http"):
+            same = best_engine.get(row.concurrency)
+            if same is not None and same.output_tok_s:
+                ratios[f"http/engine@c={row.concurrency}"] = round(row.output_tok_s / same.output_tok_s, 2)
+                ratios[f"http ttft p50 - 1.2 x engine ttft p50 @c={row.concurrency} (s)"] = round(
+                    row.ttft_p50_s - 1.2 * same.ttft_p50_s, 4
+                )
+    lines.append("")
+    lines += [f"{name}: {value}" for name, value in ratios.items()]
+    oracle = None
+    if "engine" in tokens and "hf-sequential" in tokens:
+        reference = tokens["hf-sequential"]
+        equal = sum(a == b for a, b in zip(tokens["engine"], reference))
+        oracle = {"equal": equal, "compared": len(reference)}
+        lines.append(f"greedy tokens equal to transformers (one at a time): {equal}/{len(reference)} prompts")
+    payload = {
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "matmul_gflops": round(gflops, 1),
+        "parameters": n_params,
+        "decode_ceiling_tok_s": round(ceiling, 1),
+        "rows": [asdict(r) | {"ceiling_fraction": round(r.output_tok_s / ceiling, 4)} for r in rows],
+        "ratios": ratios,
+        "oracle": oracle,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    return {"text": "\n".join(lines), "json": payload}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2:])

@@ -1,0 +1,171 @@
+"""The systems `bench compare` runs, each over the same token-id prompts, greedy, ignoring EOS.
+
+Each returns summary rows and the generated token ids (for the greedy-equality check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serve_app.bench.engine_bench import run_engine_bench
+from serve_app.bench.stats import BenchRow, RequestTiming
+
+
+@dataclass
+class SystemResult:
+    rows: list[BenchRow]
+    tokens: list[list[int]]
+
+
+def _timing_from_stamps(start: float, stamps: Sequence[float], tokens: int) -> RequestTiming:
+    gaps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
+    return RequestTiming(ttft=stamps[0] - start if stamps else 0.0, gaps=gaps, output_tokens=tokens)
+
+
+def run_engine(model: str, prompts: list[list[int]], concurrencies: Sequence[int], max_tokens: int) -> SystemResult:
+    from serve_app.engine import InferenceEngine
+
+    engine = InferenceEngine(model=model, kv_cache="paged", cache_tokens=65536, max_model_len=2048, max_num_seqs=256)
+    try:
+        run_engine_bench(engine, prompts[:4], 4, 4, system="warmup")
+        rows, tokens = [], []
+        for concurrency in concurrencies:
+            row, tokens = run_engine_bench(engine, prompts, concurrency, max_tokens, return_tokens=True)
+            rows.append(row)
+        return SystemResult(rows, tokens)
+    finally:
+        engine.shutdown()
+
+
+class _StepClock:
+    """A logits processor that only notes when each generation step happens."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def _load_hf(path: Path, attn: str = "sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    model.eval()
+    return model
+
+
+def _greedy_kwargs(max_tokens: int) -> dict:
+    return dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def run_hf_sequential(path: Path, prompts: list[list[int]], max_tokens: int) -> SystemResult:
+    """transformers `generate`, one request at a time."""
+    from transformers import LogitsProcessorList
+
+    model = _load_hf(path)
+    timings, tokens = [], []
+    begin = time.perf_counter()
+    with torch.inference_mode():
+        for ids in prompts:
+            clock = _StepClock()
+            start = time.perf_counter()
+            out = model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                logits_processor=LogitsProcessorList([clock]), **_greedy_kwargs(max_tokens),
+            )
+            tokens.append(out[0, len(ids) :].tolist())
+            timings.append(_timing_from_stamps(start, clock.stamps, len(tokens[-1])))
+    row = BenchRow.from_timings("hf-sequential", 1, time.perf_counter() - begin, timings)
+    return SystemResult([row], tokens)
+
+
+def run_hf_static(path: Path, prompts: list[list[int]], max_tokens: int) -> SystemResult:
+    """transformers `generate` on one left-padded batch of every prompt."""
+    from transformers import LogitsProcessorList
+
+    model = _load_hf(path)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        mask[row, width - len(ids) :] = 1
+    clock = _StepClock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids, attention_mask=mask, logits_processor=LogitsProcessorList([clock]), **_greedy_kwargs(max_tokens)
+        )
+    duration = time.perf_counter() - start
+    tokens = out[:, width:].tolist()
+    timings = [_timing_from_stamps(start, clock.stamps, len(t)) for t in tokens]
+    row = BenchRow.from_timings("hf-static", len(prompts), duration, timings)
+    return SystemResult([row], tokens)
+
+
+def run_hf_generate_batch(path: Path, prompts: list[list[int]], max_tokens: int) -> SystemResult:
+    """transformers' own continuous batching (`generate_batch`)."""
+    from transformers import GenerationConfig
+
+    model = _load_hf(path, attn="sdpa")
+    config = GenerationConfig(**_greedy_kwargs(max_tokens))
+    model.generate_batch(inputs=prompts[:2], generation_config=config, progress_bar=False)  # warm-up
+    start = time.perf_counter()
+    with torch.inference_mode():
+        outputs = model.generate_batch(
+            inputs=prompts, generation_config=config, record_timestamps=True, progress_bar=False
+        )
+    duration = time.perf_counter() - start
+    ordered = sorted(outputs.values(), key=lambda o: int(str(o.request_id).split("_")[-1]))
+    tokens = [list(o.generated_tokens) for o in ordered]
+    timings = [_timing_from_stamps(start, o.timestamps or [], len(o.generated_tokens)) for o in ordered]
+    row = BenchRow.from_timings("hf-generate-batch", len(prompts), duration, timings)
+    return SystemResult([row], tokens)
+
+
+async def _http_requests(url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(ids: list[int]) -> tuple[RequestTiming, int]:
+        async with slots:
+            start = time.perf_counter()
+            stamps: list[float] = []
+            tokens = 0
+            stream = await client.completions.create(
+                model=model, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    stamps.append(time.perf_counter())
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            # A chunk may carry several tokens: spread the stream's duration over them.
+            gaps = ((stamps[-1] - stamps[0]) / max(1, tokens - 1),) * max(0, tokens - 1) if stamps else ()
+            return RequestTiming(ttft=stamps[0] - start if stamps else 0.0, gaps=gaps, output_tokens=tokens), tokens
+
+    begin = time.perf_counter()
+    results = await asyncio.gather(*(one(ids) for ids in prompts))
+    await client.close()
+    return time.perf_counter() - begin, [timing for timing, _ in results]
+
+
+def run_http(url: str, model: str, prompts: list[list[int]], concurrencies: Sequence[int], max_tokens: int) -> list[BenchRow]:
+    """This server through the full HTTP path: streaming OpenAI completions from an async client."""
+    asyncio.run(_http_requests(url, model, prompts[:4], 4, 4))  # warm-up
+    rows = []
+    for concurrency in concurrencies:
+        duration, timings = asyncio.run(_http_requests(url, model, prompts, concurrency, max_tokens))
+        rows.append(BenchRow.from_timings("http", concurrency, duration, timings))
+    return rows
