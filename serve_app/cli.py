@@ -31,6 +31,18 @@ def _bench_compare(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_serve(args: argparse.Namespace) -> None:
+    from serve_app.bench.serve_bench import main
+
+    main(args)
+
+
+def _bench_prefix(args: argparse.Namespace) -> None:
+    from serve_app.bench.prefix_bench import main
+
+    main(args)
+
+
 def _str_list(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
 
@@ -71,6 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--json", default=None, help="write the report here")
     compare.add_argument("--plot", default=None, help="write a PNG plot here")
     compare.set_defaults(func=_bench_compare)
+
+    serve = bench.add_parser("serve", help="load a running server: a concurrency sweep or a Poisson request rate")
+    serve.add_argument("--url", default="http://127.0.0.1:8000")
+    serve.add_argument("--model", default=None, help="the served model name (asked from /v1/models by default)")
+    serve.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="requests in flight; a list sweeps")
+    serve.add_argument("--rate", type=float, default=None, help="requests per second (Poisson) instead of a sweep")
+    serve.add_argument("--requests", type=int, default=64, help="stop after this many requests")
+    serve.add_argument("--duration", type=float, default=120.0, help="stop issuing after this many seconds")
+    serve.add_argument("--max-tokens", type=int, default=64)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--json", default=None)
+    serve.set_defaults(func=_bench_serve)
+
+    prefix = bench.add_parser("prefix", help="a shared long system prompt: cold then warm, prefix caching on and off")
+    prefix.add_argument("--model", default=DEFAULT_MODEL)
+    prefix.add_argument("--system-tokens", type=int, default=1000, help="length of the shared system prompt")
+    prefix.add_argument("--warm-requests", type=int, default=6)
+    prefix.add_argument("--max-tokens", type=int, default=16)
+    prefix.add_argument("--seed", type=int, default=0)
+    prefix.add_argument("--json", default=None)
+    prefix.set_defaults(func=_bench_prefix)
     return parser
 
 

@@ -29,3 +29,13 @@ def make_prompts(count: int, seed: int = 0, long_every: int = 4, long_words: int
         else:
             prompts.append(f"Tell me about {topic}.")
     return prompts
+
+
+def long_passage(tokenizer, tokens: int, rng: random.Random) -> str:
+    """A passage of filler words about `tokens` tokens long under `tokenizer`."""
+    words: list[str] = []
+    while len(tokenizer.encode(" ".join(words))) < tokens:
+        words.extend(rng.choice(_WORDS) for _ in range(50))
+    while len(tokenizer.encode(" ".join(words))) > tokens:
+        words.pop()
+    return " ".join(words)
