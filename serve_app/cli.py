@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--systems", type=_str_list, default=None, help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http")
     compare.add_argument("--sequential-prompts", type=int, default=8, help="prompts for one-at-a-time generate (it is slow)")
+    compare.add_argument("--single-client-prompts", type=int, default=16, help="prompts at concurrency 1 (it is slow)")
     compare.add_argument("--seed", type=int, default=0)
     compare.add_argument("--json", default=None, help="write the report here")
     compare.add_argument("--plot", default=None, help="write a PNG plot here")

@@ -28,7 +28,14 @@ def _timing_from_stamps(start: float, stamps: Sequence[float], tokens: int) -> R
     return RequestTiming(ttft=stamps[0] - start if stamps else 0.0, gaps=gaps, output_tokens=tokens)
 
 
-def run_engine(model: str, prompts: list[list[int]], concurrencies: Sequence[int], max_tokens: int) -> SystemResult:
+def prompts_at(prompts: list, concurrency: int, single_client_prompts: int) -> list:
+    """The prompts one concurrency level runs: a single client runs only the first few (it is slow)."""
+    return prompts[:single_client_prompts] if concurrency == 1 else prompts
+
+
+def run_engine(
+    model: str, prompts: list[list[int]], concurrencies: Sequence[int], max_tokens: int, single_client_prompts: int
+) -> SystemResult:
     from serve_app.engine import InferenceEngine
 
     engine = InferenceEngine(model=model, kv_cache="paged", cache_tokens=65536, max_model_len=2048, max_num_seqs=256)
@@ -36,8 +43,11 @@ def run_engine(model: str, prompts: list[list[int]], concurrencies: Sequence[int
         run_engine_bench(engine, prompts[:4], 4, 4, system="warmup")
         rows, tokens = [], []
         for concurrency in concurrencies:
-            row, tokens = run_engine_bench(engine, prompts, concurrency, max_tokens, return_tokens=True)
+            subset = prompts_at(prompts, concurrency, single_client_prompts)
+            row, subset_tokens = run_engine_bench(engine, subset, concurrency, max_tokens, return_tokens=True)
             rows.append(row)
+            if len(subset_tokens) >= len(tokens):
+                tokens = subset_tokens
         return SystemResult(rows, tokens)
     finally:
         engine.shutdown()
@@ -170,11 +180,19 @@ async def _http_requests(url: str, model: str, prompts: list[list[int]], concurr
     return time.perf_counter() - begin, list(timings)
 
 
-def run_http(url: str, model: str, prompts: list[list[int]], concurrencies: Sequence[int], max_tokens: int) -> list[BenchRow]:
+def run_http(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    concurrencies: Sequence[int],
+    max_tokens: int,
+    single_client_prompts: int,
+) -> list[BenchRow]:
     """This server through the full HTTP path: streaming OpenAI completions from an async client."""
     asyncio.run(_http_requests(url, model, prompts[:4], 4, 4))  # warm-up
     rows = []
     for concurrency in concurrencies:
-        duration, timings = asyncio.run(_http_requests(url, model, prompts, concurrency, max_tokens))
+        subset = prompts_at(prompts, concurrency, single_client_prompts)
+        duration, timings = asyncio.run(_http_requests(url, model, subset, concurrency, max_tokens))
         rows.append(BenchRow.from_timings("http", concurrency, duration, timings))
     return rows

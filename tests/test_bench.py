@@ -1,0 +1,83 @@
+"""The benchmark tools: summaries, the engine bench, and a small `bench compare` run end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serve_app import InferenceEngine
+from serve_app.bench.engine_bench import run_engine_bench
+from serve_app.bench.hardware import decode_ceiling_tok_s
+from serve_app.bench.prompts import long_passage, make_prompts
+from serve_app.bench.stats import BenchRow, RequestTiming, percentile
+
+ROW_FIELDS = {
+    "system", "concurrency", "requests", "output_tokens", "duration_s", "output_tok_s",
+    "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "peak_rss_mb",
+}
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+
+
+def test_row_from_timings() -> None:
+    timings = [RequestTiming(0.1, (0.02, 0.04), 3), RequestTiming(0.3, (0.05,), 2)]
+    row = BenchRow.from_timings("x", 2, 2.0, timings)
+    assert row.output_tokens == 5 and row.output_tok_s == 2.5 and row.requests == 2
+    assert row.ttft_p50_s == pytest.approx(0.2) and row.tpot_p50_s == pytest.approx(0.04)
+    assert set(row.as_dict()) == ROW_FIELDS
+
+
+def test_prompt_set_is_seeded_and_mixes_lengths(model_path: Path) -> None:
+    from serve_app.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_path)
+    prompts = make_prompts(8, seed=3)
+    assert prompts == make_prompts(8, seed=3) and prompts != make_prompts(8, seed=4)
+    lengths = [len(tokenizer.encode(p)) for p in prompts]
+    assert min(lengths) < 20 and 260 <= max(lengths) <= 340
+    import random
+
+    assert abs(len(tokenizer.encode(long_passage(tokenizer, 1000, random.Random(0)))) - 1000) <= 2
+
+
+def test_decode_ceiling() -> None:
+    assert decode_ceiling_tok_s(100.0, 50_000_000) == pytest.approx(1000.0)
+
+
+def test_engine_bench_counts_every_token(tiny_llama_path: Path) -> None:
+    engine = InferenceEngine(model=str(tiny_llama_path), cache_tokens=4096)
+    try:
+        row, tokens = run_engine_bench(engine, make_prompts(6), 3, 5, return_tokens=True)
+    finally:
+        engine.shutdown()
+    assert row.requests == 6 and row.output_tokens == 30 and all(len(t) == 5 for t in tokens)
+    assert row.concurrency == 3 and row.output_tok_s > 0 and 0 < row.ttft_p50_s <= row.ttft_p99_s
+
+
+def test_bench_compare_small_run(tmp_path: Path) -> None:
+    """In-process systems in subprocesses, greedy tokens checked against one-at-a-time transformers."""
+    out, plot = tmp_path / "compare.json", tmp_path / "compare.png"
+    subprocess.run(
+        [
+            sys.executable, "-m", "serve_app.cli", "bench", "compare", "--prompts", "4", "--max-tokens", "4",
+            "--concurrency", "2", "--systems", "engine,hf-sequential,hf-static", "--sequential-prompts", "2",
+            "--json", str(out), "--plot", str(plot),
+        ],
+        check=True, timeout=600, capture_output=True,
+    )
+    report = json.loads(out.read_text())
+    assert [r["system"] for r in report["rows"]] == ["engine", "hf-sequential", "hf-static"]
+    assert all(ROW_FIELDS <= set(r) for r in report["rows"])
+    assert report["rows"][0]["output_tokens"] == 16 and report["rows"][1]["requests"] == 2
+    assert report["oracle"] == {"equal": 2, "compared": 2}
+    assert report["matmul_gflops"] > 0 and report["decode_ceiling_tok_s"] > 0
+    assert set(report["ratios"]) == {"engine/hf-sequential", "engine/hf-static"}
+    assert plot.stat().st_size > 10_000
