@@ -29,7 +29,7 @@ test: model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: model
-	$(BIN)/serve-app bench engine
+	$(BIN)/serve-app bench compare --plot docs/bench-compare.png
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

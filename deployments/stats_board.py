@@ -26,9 +26,6 @@ class StatsBoard:
         self._reports[replica_id] = (time.monotonic(), stats)
         self._model_info = model_info
 
-    def withdraw(self, replica_id: str) -> None:
-        self._reports.pop(replica_id, None)
-
     def _live(self) -> list[dict[str, int]]:
         now = time.monotonic()
         self._reports = {k: v for k, v in self._reports.items() if now - v[0] < STALE_AFTER_S}

@@ -128,12 +128,6 @@ class InferenceEngine:
             return ids
         return list(request.prompt or [])
 
-    async def stream_async(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
-        """Deltas for one request, at most one per engine step (those that piled up arrive merged)."""
-        result = self.submit(request)
-        async for delta in result.astream(coalesce=True):
-            yield delta
-
     def abort(self, task_id: int) -> None:
         """Cancel a task; its cache is freed at the next step."""
         self.scheduler.abort(task_id)

@@ -15,7 +15,7 @@ from serve_app import GenerateRequest, InferenceEngine
 from serve_app.config import ServerConfig
 from serve_app.protocols.engine_client import LocalEngineClient
 from serve_app.server import ServerContext, create_api
-from serve_app.bench.servers import InProcessServer
+from tests.inprocess import InProcessServer
 
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "Name three fruits."}]

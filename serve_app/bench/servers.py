@@ -1,4 +1,4 @@
-"""Servers for tests and benchmarks: the HTTP app in process (a uvicorn thread) and a real `serve run`."""
+"""A real `serve run` of a Serve config on a free loopback port, for benchmarks and tests."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,28 +20,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-class InProcessServer:
-    """An ASGI app served by uvicorn on a loopback port, in a background thread."""
-
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
 
 
 class ServeRun:
