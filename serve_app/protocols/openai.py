@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -142,6 +143,17 @@ def _usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
+def _prepared(req: _SamplingFields, requests: list[GenerateRequest], logprobs: bool) -> PreparedRequest:
+    return PreparedRequest(
+        requests=requests,
+        stream=req.stream,
+        model=req.model,
+        choices_per_prompt=req.n,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        options={"logprobs": logprobs},
+    )
+
+
 def _finish_reason(choice: Choice) -> str | None:
     return choice.finish_reason if choice.finish_reason in (None, "stop", "length") else "stop"
 
@@ -189,6 +201,34 @@ class _OpenAIBuilder(ResponseBuilder):
     def _id(self, prepared: PreparedRequest) -> str:
         return self.id_prefix + prepared.id
 
+    @abstractmethod
+    def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None: ...
+
+    def _response(
+        self,
+        prepared: PreparedRequest,
+        object_name: str,
+        choices: Sequence[Choice],
+        content: Callable[[Choice], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """The non-streaming body: each choice's `content` fields plus logprobs and finish reason."""
+        return {
+            "id": self._id(prepared),
+            "object": object_name,
+            "created": prepared.created,
+            "model": prepared.model,
+            "choices": [
+                {
+                    "index": c.index,
+                    **content(c),
+                    "logprobs": self._logprobs(prepared, c.logprobs),
+                    "finish_reason": _finish_reason(c),
+                }
+                for c in choices
+            ],
+            "usage": _usage_json(total_usage(prepared, choices)),
+        }
+
 
 class ChatCompletionsBuilder(_OpenAIBuilder):
     """`POST /v1/chat/completions`."""
@@ -208,14 +248,7 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
             GenerateRequest(messages=messages, **req.engine_fields(max_tokens, logprobs, choice))
             for choice in range(req.n)
         ]
-        return PreparedRequest(
-            requests=requests,
-            stream=req.stream,
-            model=req.model,
-            choices_per_prompt=req.n,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            options={"logprobs": req.logprobs},
-        )
+        return _prepared(req, requests, logprobs=req.logprobs)
 
     def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not prepared.options["logprobs"]:
@@ -278,22 +311,9 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
         return events
 
     def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
-        return {
-            "id": self._id(prepared),
-            "object": "chat.completion",
-            "created": prepared.created,
-            "model": prepared.model,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(prepared, c.logprobs),
-                    "finish_reason": _finish_reason(c),
-                }
-                for c in choices
-            ],
-            "usage": _usage_json(total_usage(prepared, choices)),
-        }
+        return self._response(
+            prepared, "chat.completion", choices, lambda c: {"message": {"role": "assistant", "content": c.text}}
+        )
 
 
 class CompletionsBuilder(_OpenAIBuilder):
@@ -315,14 +335,7 @@ class CompletionsBuilder(_OpenAIBuilder):
             for prompt in prompts
             for choice in range(req.n)
         ]
-        return PreparedRequest(
-            requests=requests,
-            stream=req.stream,
-            model=req.model,
-            choices_per_prompt=req.n,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            options={"logprobs": req.logprobs is not None},
-        )
+        return _prepared(req, requests, logprobs=req.logprobs is not None)
 
     def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not prepared.options["logprobs"]:
@@ -360,22 +373,7 @@ class CompletionsBuilder(_OpenAIBuilder):
         ]
 
     def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
-        return {
-            "id": self._id(prepared),
-            "object": "text_completion",
-            "created": prepared.created,
-            "model": prepared.model,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": self._logprobs(prepared, c.logprobs),
-                    "finish_reason": _finish_reason(c),
-                }
-                for c in choices
-            ],
-            "usage": _usage_json(total_usage(prepared, choices)),
-        }
+        return self._response(prepared, "text_completion", choices, lambda c: {"text": c.text})
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
