@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_CACHE_TOKENS = 32768
 
 
 def default_cache_dir() -> Path:
@@ -48,8 +49,6 @@ class CacheConfig(_Strict):
             return max(1, self.num_bytes // bytes_per_token)
         return DEFAULT_CACHE_TOKENS
 
-
-DEFAULT_CACHE_TOKENS = 32768
 
 
 class SchedulerConfig(_Strict):

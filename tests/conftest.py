@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,8 +69,6 @@ def _engine_returns_every_page(request: pytest.FixtureRequest) -> Iterator[None]
 
 
 def wait_idle(engine: InferenceEngine, timeout: float = 30.0) -> None:
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stats = engine.get_stats()
