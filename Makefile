@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 export SERVE_APP_CACHE_DIR ?= $(CURDIR)/.cache/serve-app
+# Ray's workers (the engine replica too) otherwise run at niceness 15: see README, Performance.
+export RAY_worker_niceness ?= 0
 PYTEST_ARGS ?=
 
 .PHONY: setup model serve test bench clean

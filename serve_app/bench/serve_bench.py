@@ -16,11 +16,10 @@ import httpx
 
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, RequestTiming, format_table
-from serve_app.bench.systems import openai_client, stream_completion
+from serve_app.bench.client import CompletionClient
 
 
 async def _by_concurrency(url: str, model: str, prompts: list[str], concurrency: int, requests: int, duration: float, max_tokens: int):
-    client = openai_client(url)
     timings: list[RequestTiming] = []
     deadline = time.perf_counter() + duration
     issued = 0
@@ -30,27 +29,26 @@ async def _by_concurrency(url: str, model: str, prompts: list[str], concurrency:
         while issued < requests and time.perf_counter() < deadline:
             prompt = prompts[issued % len(prompts)]
             issued += 1
-            timings.append(await stream_completion(client, model, prompt, max_tokens))
+            timings.append(await client.stream(model, prompt, max_tokens))
 
-    begin = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    await client.close()
-    return time.perf_counter() - begin, timings
+    async with CompletionClient(url) as client:
+        begin = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - begin, timings
 
 
 async def _by_rate(url: str, model: str, prompts: list[str], rate: float, requests: int, duration: float, max_tokens: int, seed: int):
-    client = openai_client(url)
     rng = random.Random(seed)
     tasks = []
-    begin = time.perf_counter()
-    deadline = begin + duration
-    while len(tasks) < requests and time.perf_counter() < deadline:
-        prompt = prompts[len(tasks) % len(prompts)]
-        tasks.append(asyncio.create_task(stream_completion(client, model, prompt, max_tokens)))
-        await asyncio.sleep(rng.expovariate(rate))
-    timings = await asyncio.gather(*tasks)
-    await client.close()
-    return time.perf_counter() - begin, list(timings)
+    async with CompletionClient(url) as client:
+        begin = time.perf_counter()
+        deadline = begin + duration
+        while len(tasks) < requests and time.perf_counter() < deadline:
+            prompt = prompts[len(tasks) % len(prompts)]
+            tasks.append(asyncio.create_task(client.stream(model, prompt, max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        timings = await asyncio.gather(*tasks)
+        return time.perf_counter() - begin, list(timings)
 
 
 def main(args) -> None:

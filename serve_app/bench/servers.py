@@ -16,6 +16,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# Ray starts its workers (every replica, the engine's too) at niceness 15 unless told otherwise;
+# on a small machine the model's threads then lose the CPU to any nice-0 process (the load
+# generator, Ray's own daemons) and every interruption stalls both threads of a matrix product.
+SERVE_ENV = {"RAY_worker_niceness": "0"}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -44,7 +50,7 @@ class ServeRun:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+            env={**os.environ, "RAY_DEDUP_LOGS": "0", **SERVE_ENV},
         )
         self.wait_ready(timeout)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from serve_app.bench.client import CompletionClient
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.stats import BenchRow, RequestTiming
 
@@ -141,43 +142,17 @@ def run_hf_generate_batch(path: Path, prompts: list[list[int]], max_tokens: int)
     return SystemResult([row], tokens)
 
 
-async def stream_completion(client, model: str, prompt: str | list[int], max_tokens: int) -> RequestTiming:
-    """One greedy streaming `/v1/completions` request (EOS ignored), timed from the client's side."""
-    start = time.perf_counter()
-    stamps: list[float] = []
-    tokens = 0
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            stamps.append(time.perf_counter())
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    # A chunk may carry several tokens: spread the stream's duration over them.
-    gaps = ((stamps[-1] - stamps[0]) / max(1, tokens - 1),) * max(0, tokens - 1) if stamps else ()
-    return RequestTiming(ttft=stamps[0] - start if stamps else 0.0, gaps=gaps, output_tokens=tokens)
-
-
-def openai_client(url: str):
-    import openai
-
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-
-
 async def _http_requests(url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int):
-    client = openai_client(url)
     slots = asyncio.Semaphore(concurrency)
+    async with CompletionClient(url) as client:
 
-    async def one(ids: list[int]) -> RequestTiming:
-        async with slots:
-            return await stream_completion(client, model, ids, max_tokens)
+        async def one(ids: list[int]) -> RequestTiming:
+            async with slots:
+                return await client.stream(model, ids, max_tokens)
 
-    begin = time.perf_counter()
-    timings = await asyncio.gather(*(one(ids) for ids in prompts))
-    await client.close()
-    return time.perf_counter() - begin, list(timings)
+        begin = time.perf_counter()
+        timings = await asyncio.gather(*(one(ids) for ids in prompts))
+        return time.perf_counter() - begin, list(timings)
 
 
 def run_http(

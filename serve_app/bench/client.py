@@ -1,0 +1,62 @@
+"""A light load-generating client: streaming `/v1/completions` over aiohttp, timed per request.
+
+A load generator shares the machine with the server, so it parses the server-sent events itself
+instead of building SDK objects for every chunk (as vLLM's serving benchmark does). It asks for
+`return_token_ids`, so the first token counts even when its text is empty (an EOS when EOS is
+ignored), the same event the in-process benchmark times.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from types import TracebackType
+
+import aiohttp
+
+from serve_app.bench.stats import RequestTiming
+
+
+class CompletionClient:
+    """One HTTP session for many concurrent greedy streaming completions (EOS ignored)."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+        self._url = f"{url}/v1/completions"
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        )
+
+    async def __aenter__(self) -> CompletionClient:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        await self._session.close()
+
+    async def stream(self, model: str, prompt: str | list[int], max_tokens: int) -> RequestTiming:
+        body = {
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True,
+        }
+        start = time.perf_counter()
+        first: float | None = None
+        last = start
+        tokens = 0
+        async with self._session.post(self._url, json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream failed: {chunk['error']}")
+                for choice in chunk["choices"]:
+                    if choice["token_ids"]:
+                        last = time.perf_counter()
+                        first = first or last
+                        tokens += len(choice["token_ids"])
+        if first is None:
+            return RequestTiming(ttft=0.0, gaps=(), output_tokens=0)
+        # A chunk may carry several tokens: spread the stream's duration over them.
+        gaps = ((last - first) / max(1, tokens - 1),) * max(0, tokens - 1)
+        return RequestTiming(ttft=first - start, gaps=gaps, output_tokens=tokens)
