@@ -118,6 +118,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
+    return_token_ids: bool = Field(False, description="also return the generated token ids (with each streamed chunk)")
 
 
 def _validate(model: type[BaseModel], body: Any) -> Any:
@@ -143,14 +144,16 @@ def _usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _prepared(req: _SamplingFields, requests: list[GenerateRequest], logprobs: bool) -> PreparedRequest:
+def _prepared(
+    req: _SamplingFields, requests: list[GenerateRequest], logprobs: bool, token_ids: bool = False
+) -> PreparedRequest:
     return PreparedRequest(
         requests=requests,
         stream=req.stream,
         model=req.model,
         choices_per_prompt=req.n,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        options={"logprobs": logprobs},
+        options={"logprobs": logprobs, "token_ids": token_ids},
     )
 
 
@@ -335,7 +338,7 @@ class CompletionsBuilder(_OpenAIBuilder):
             for prompt in prompts
             for choice in range(req.n)
         ]
-        return _prepared(req, requests, logprobs=req.logprobs is not None)
+        return _prepared(req, requests, logprobs=req.logprobs is not None, token_ids=req.return_token_ids)
 
     def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not prepared.options["logprobs"]:
@@ -351,28 +354,26 @@ class CompletionsBuilder(_OpenAIBuilder):
         return []
 
     def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
-            return []
+        with_ids = prepared.options["token_ids"]
         if delta.finish_reason == "error":
             return []
-        finish = _finish_reason(choice) if delta.finish_reason is not None else None
-        return [
-            sse(
-                self._chunk(
-                    prepared,
-                    [
-                        {
-                            "index": choice.index,
-                            "text": delta.text,
-                            "logprobs": self._logprobs(prepared, delta.logprobs),
-                            "finish_reason": finish,
-                        }
-                    ],
-                )
-            )
-        ]
+        if not (delta.text or delta.finish_reason or delta.logprobs or with_ids and delta.token_ids):
+            return []
+        body: dict[str, Any] = {
+            "index": choice.index,
+            "text": delta.text,
+            "logprobs": self._logprobs(prepared, delta.logprobs),
+            "finish_reason": _finish_reason(choice) if delta.finish_reason is not None else None,
+        }
+        if with_ids:
+            body["token_ids"] = list(delta.token_ids)
+        return [sse(self._chunk(prepared, [body]))]
 
     def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
+        if prepared.options["token_ids"]:
+            return self._response(
+                prepared, "text_completion", choices, lambda c: {"text": c.text, "token_ids": c.token_ids}
+            )
         return self._response(prepared, "text_completion", choices, lambda c: {"text": c.text})
 
 
