@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import logging
 import threading
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
+
+import torch
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
 from serve_app.engine import InferenceEngine
-from serve_app.protocols.engine_client import EngineEvent, count_tokens, engine_events, model_info
+from serve_app.kv.transfer import StoreResult
+from serve_app.protocols.engine_client import (
+    EngineEvent,
+    EngineKV,
+    RequestRefused,
+    count_tokens,
+    engine_events,
+    model_info,
+)
 from serve_app.request import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -29,6 +40,7 @@ class EngineDeployment:
         app_config = AppConfig.model_validate(config)
         self.engine = InferenceEngine(config=app_config.engine)
         self.info = model_info(self.engine, app_config.served_model_name)
+        self.kv = EngineKV(self.engine)
         self._board = stats_board
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._stopped = threading.Event()
@@ -44,6 +56,19 @@ class EngineDeployment:
 
     def stats(self) -> dict[str, int]:
         return self.engine.get_stats()
+
+    # The KV calls wait for the scheduler thread: run them off the replica's event loop.
+    async def kv_config(self) -> dict[str, Any] | RequestRefused:
+        return self.kv.config()
+
+    async def kv_lookup(self, tokens: list[int], cache_salt: str) -> int | RequestRefused:
+        return await asyncio.to_thread(self.kv.lookup, tokens, cache_salt)
+
+    async def kv_retrieve(self, tokens: list[int], cache_salt: str) -> torch.Tensor | None | RequestRefused:
+        return await asyncio.to_thread(self.kv.retrieve, tokens, cache_salt)
+
+    async def kv_store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str) -> StoreResult | RequestRefused:
+        return await asyncio.to_thread(self.kv.store, kv, tokens, cache_salt)
 
     def check_health(self) -> None:
         if not self.engine.scheduler.alive:

@@ -6,13 +6,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import torch
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
 from serve_app.protocols.base import EngineClient, ModelInfo
-from serve_app.protocols.engine_client import deltas_from_events
+from serve_app.kv.transfer import StoreResult
+from serve_app.protocols.engine_client import deltas_from_events, unwrap
 from serve_app.protocols.errors import ProtocolError
 from serve_app.request import GenerateRequest, StreamDelta
 from serve_app.server import ServerContext, create_api
@@ -59,6 +61,18 @@ class RayEngineClient(EngineClient):
             self._info = self._info or info
             self._checked = now
         return self._ready and self._info is not None
+
+    async def kv_config(self) -> dict[str, Any]:
+        return unwrap(await self._engine.kv_config.remote())
+
+    async def kv_lookup(self, tokens: list[int], cache_salt: str) -> int:
+        return unwrap(await self._engine.kv_lookup.remote(tokens, cache_salt))
+
+    async def kv_retrieve(self, tokens: list[int], cache_salt: str) -> torch.Tensor | None:
+        return unwrap(await self._engine.kv_retrieve.remote(tokens, cache_salt))
+
+    async def kv_store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str) -> StoreResult:
+        return unwrap(await self._engine.kv_store.remote(kv, tokens, cache_salt))
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})

@@ -13,6 +13,8 @@ import torch
 
 from serve_app.config import EngineConfig
 from serve_app.kv.factory import build_kv_cache
+from serve_app.kv.page_cache import PageCache
+from serve_app.kv.transfer import KVConfig, KVTransfer, StoreResult
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
 from serve_app.model.tokenizer import Tokenizer
@@ -52,6 +54,11 @@ class InferenceEngine:
         self.max_model_len = self.runner.max_model_len
         self.cache = build_kv_cache(self.config.cache, self.runner.kv_shape, self.max_model_len, self.runner.device)
         self.scheduler = InferenceScheduler(self.runner, self.cache, self.config.scheduler, self.max_model_len)
+        self._transfer = (
+            KVTransfer(self.cache, self.runner.vocab_size)
+            if isinstance(self.cache, PageCache) and self.cache.enable_prefix_caching
+            else None
+        )
         self._task_ids = itertools.count(1)
         self.created = int(time.time())
         self.scheduler.start()
@@ -170,6 +177,49 @@ class InferenceEngine:
             if delta.text:
                 yield delta.text
 
+    # -- cached KV (the KV SDK) -------------------------------------------------------------------
+    def kv_config(self) -> KVConfig:
+        """Chunk size, KV geometry and dtype, and the RoPE settings K was rotated with."""
+        transfer = self._kv_transfer()
+        shape = self.runner.kv_shape
+        rope_type, theta, inv_freq = self.runner.rotary()
+        return KVConfig(
+            chunk_size=transfer.chunk_size,
+            n_layers=shape.n_layers,
+            n_kv_heads=shape.n_kv_heads,
+            head_dim=shape.head_dim,
+            dtype=str(shape.dtype).removeprefix("torch."),
+            rope_type=rope_type,
+            rope_theta=theta,
+            rotary_dim=2 * len(inv_freq),
+            rope_inv_freq=tuple(inv_freq.tolist()),
+        )
+
+    def kv_lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """How many leading tokens of `tokens`, in whole chunks, are in the prefix cache."""
+        transfer, ids = self._kv_transfer(), _token_list(tokens)
+        return self.scheduler.call(lambda: transfer.lookup(ids, cache_salt))
+
+    def kv_retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
+        """`[2, n_layers, T, n_kv_heads * head_dim]` for the longest cached whole-chunk prefix; None under a chunk."""
+        transfer, ids = self._kv_transfer(), _token_list(tokens)
+        return self.scheduler.call(lambda: transfer.retrieve(ids, cache_salt))
+
+    def kv_store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
+        """Cache `kv` as the KV of `tokens` (whole chunks); False when every chunk was cached already."""
+        return self.kv_store_chunks(kv, tokens, cache_salt).stored_chunks > 0
+
+    def kv_store_chunks(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> StoreResult:
+        """As `kv_store`, answering how many chunks were stored and how many were already cached."""
+        transfer, ids = self._kv_transfer(), _token_list(tokens)
+        transfer.check(kv, ids)
+        return self.scheduler.call(lambda: transfer.store(kv, ids, cache_salt))
+
+    def _kv_transfer(self) -> KVTransfer:
+        if self._transfer is None:
+            raise InvalidRequestError("kv_cache", "cached KV needs the paged cache with prefix caching on")
+        return self._transfer
+
     # -- state --------------------------------------------------------------------------------
     def get_stats(self) -> dict[str, int]:
         running, waiting = self.scheduler.counts()
@@ -192,6 +242,14 @@ class InferenceEngine:
     def shutdown(self) -> None:
         """Stop the scheduler thread; unfinished requests end as cancelled."""
         self.scheduler.stop()
+
+
+def _token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(tokens, torch.Tensor):
+        return [int(t) for t in tokens.reshape(-1).tolist()]
+    if isinstance(tokens, str) or not all(isinstance(t, int) for t in tokens):
+        raise InvalidRequestError("tokens", "expected a list of token ids")
+    return list(tokens)
 
 
 def _is_batch(prompt: Any) -> bool:

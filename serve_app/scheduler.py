@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -23,6 +26,8 @@ from serve_app.sampling import SamplingBatch, SamplingPipeline
 from serve_app.task import Task, TaskState
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -50,6 +55,7 @@ class InferenceScheduler:
         self.running: list[Task] = []
         self._inbox: list[Task] = []
         self._aborts: set[int] = set()
+        self._calls: list[tuple[Callable[[], object], Future]] = []
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="inference-scheduler", daemon=True)
@@ -81,6 +87,16 @@ class InferenceScheduler:
             self._aborts.add(task_id)
             self._wake.notify()
 
+    def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
+        """Run `fn` on the scheduler thread between two steps (where the cache may be touched); return its result."""
+        future: Future = Future()
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("the engine has shut down")
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future.result(timeout)
+
     def counts(self) -> tuple[int, int]:
         """(running, waiting) right now."""
         with self._wake:
@@ -90,13 +106,18 @@ class InferenceScheduler:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: self._stopped or self._inbox or self._aborts or self.running or self.waiting)
+                self._wake.wait_for(
+                    lambda: self._stopped or self._inbox or self._aborts or self._calls or self.running or self.waiting
+                )
                 if self._stopped:
                     break
                 self.waiting.extend(self._inbox)
                 self._inbox.clear()
                 aborts, self._aborts = self._aborts, set()
+                calls, self._calls = self._calls, []
             self._cancel(aborts)
+            for fn, future in calls:
+                _run_into(fn, future)
             try:
                 self.step()
             except Exception as exc:  # a failed step must not stop the loop; its tasks fail instead
@@ -105,6 +126,10 @@ class InferenceScheduler:
                     self._finish(task, StreamDelta("", (), "error", error=f"engine step failed: {exc}"))
         for task in [*self.running, *self.waiting, *self._inbox]:
             self._finish(task, StreamDelta("", (), "cancelled"))
+        with self._wake:
+            for _, future in self._calls:
+                future.set_exception(RuntimeError("the engine has shut down"))
+            self._calls.clear()
 
     def step(self) -> None:
         """One scheduling step: room for decodes, admissions, one forward, sampling, publishing."""
@@ -245,3 +270,13 @@ class InferenceScheduler:
         task.state = TaskState.FINISHED
         task.result.publish(delta)
 
+
+
+def _run_into(fn: Callable[[], object], future: Future) -> None:
+    """Run `fn`, handing its result or exception to `future`."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as error:  # the caller re-raises it
+        future.set_exception(error)

@@ -20,6 +20,8 @@ from serve_app.metrics import CONTENT_TYPE, ServerMetrics
 from serve_app.protocols.anthropic import CountTokensRequest, MessagesBuilder, parse
 from serve_app.protocols.base import EngineClient, ProtocolHandler, ResponseBuilder
 from serve_app.protocols.errors import ProtocolError, invalid
+from serve_app.protocols.kv import MEDIA_TYPE as KV_MEDIA_TYPE
+from serve_app.protocols.kv import decode_kv, encode_kv, parse_tokens_request
 from serve_app.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
 from serve_app.request import GenerateRequest
 
@@ -33,16 +35,22 @@ class ServerContext:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON: 413 past `limit` bytes, 400 when it is not JSON."""
+async def read_body(request: Request, limit: int, limit_name: str = "max_request_bytes") -> bytes:
+    """The request body: 413 past `limit` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProtocolError("too_large", f"request body is over max_request_bytes={limit}")
+        raise ProtocolError("too_large", f"request body is over {limit_name}={limit}")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise ProtocolError("too_large", f"request body is over max_request_bytes={limit}")
+            raise ProtocolError("too_large", f"request body is over {limit_name}={limit}")
+    return bytes(body)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request body as JSON: 413 past `limit` bytes, 400 when it is not JSON."""
+    body = await read_body(request, limit)
     try:
         return json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
@@ -61,6 +69,12 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
 
     def ctx(request: Request) -> ServerContext:
         return request.app.state.context
+
+    async def ready_engine(request: Request) -> EngineClient:
+        engine = ctx(request).engine
+        if not await engine.ready():
+            raise ProtocolError("not_ready", "Engine not initialized")
+        return engine
 
     async def guarded(builder: ResponseBuilder, work: Callable[[], Awaitable[Response]]) -> Response:
         try:
@@ -89,12 +103,10 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         async def work() -> Response:
-            context = ctx(request)
-            if not await context.engine.ready():
-                raise ProtocolError("not_ready", "Engine not initialized")
-            body = await read_json(request, context.config.max_request_bytes)
-            req: CountTokensRequest = parse(CountTokensRequest, body, await context.engine.model_info())
-            count = await context.engine.count_tokens(GenerateRequest(messages=req.chat(), max_tokens=None))
+            engine = await ready_engine(request)
+            body = await read_json(request, ctx(request).config.max_request_bytes)
+            req: CountTokensRequest = parse(CountTokensRequest, body, await engine.model_info())
+            count = await engine.count_tokens(GenerateRequest(messages=req.chat(), max_tokens=None))
             return JSONResponse({"input_tokens": count})
 
         return await guarded(messages, work)
@@ -102,10 +114,7 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
         async def work() -> Response:
-            engine = ctx(request).engine
-            if not await engine.ready():
-                raise ProtocolError("not_ready", "Engine not initialized")
-            info = await engine.model_info()
+            info = await (await ready_engine(request)).model_info()
             card = {
                 "id": info.id,
                 "object": "model",
@@ -114,6 +123,52 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
                 "max_model_len": info.max_model_len,
             }
             return JSONResponse({"object": "list", "data": [card]})
+
+        return await guarded(chat, work)
+
+    @api.get("/v1/kv/config")
+    async def kv_config(request: Request) -> Response:
+        async def work() -> Response:
+            return JSONResponse(await (await ready_engine(request)).kv_config())
+
+        return await guarded(chat, work)
+
+    @api.post("/v1/kv/lookup")
+    async def kv_lookup(request: Request) -> Response:
+        async def work() -> Response:
+            engine = await ready_engine(request)
+            req = parse_tokens_request(await read_json(request, ctx(request).config.max_request_bytes))
+            return JSONResponse({"cached_tokens": await engine.kv_lookup(req.tokens, req.cache_salt)})
+
+        return await guarded(chat, work)
+
+    @api.post("/v1/kv/retrieve")
+    async def kv_retrieve(request: Request) -> Response:
+        async def work() -> Response:
+            engine = await ready_engine(request)
+            req = parse_tokens_request(await read_json(request, ctx(request).config.max_request_bytes))
+            kv = await engine.kv_retrieve(req.tokens, req.cache_salt)
+            if kv is None:
+                raise ProtocolError("not_found", "no whole chunk of these tokens is cached under this salt", "tokens")
+            return Response(encode_kv(kv), media_type=KV_MEDIA_TYPE, headers={"x-cached-tokens": str(kv.shape[2])})
+
+        return await guarded(chat, work)
+
+    @api.post("/v1/kv/store")
+    async def kv_store(request: Request) -> Response:
+        async def work() -> Response:
+            engine = await ready_engine(request)
+            kv, tokens, cache_salt = decode_kv(await read_body(request, ctx(request).config.max_kv_bytes, "max_kv_bytes"))
+            if tokens is None:
+                raise invalid("body: the safetensors file has no tensor named 'tokens'", "tokens")
+            result = await engine.kv_store(kv, tokens, cache_salt)
+            return JSONResponse(
+                {
+                    "stored": result.stored_chunks > 0,
+                    "stored_chunks": result.stored_chunks,
+                    "deduplicated_chunks": result.deduplicated_chunks,
+                }
+            )
 
         return await guarded(chat, work)
 

@@ -32,3 +32,13 @@ class ReferenceModel:
                 )
             self._cache[key] = out[0, len(prompt_ids) :].tolist()
         return self._cache[key]
+
+    def kv(self, prompt_ids: list[int]) -> torch.Tensor:
+        """transformers' KV for `prompt_ids` as `[2, n_layers, T, n_kv_heads * head_dim]` (post-RoPE k)."""
+        with torch.inference_mode():
+            out = self.model(torch.tensor([prompt_ids]), use_cache=True)
+        layers = out.past_key_values.layers
+        # Each layer holds [1, n_kv_heads, T, head_dim]; tokens first, heads flattened.
+        keys = torch.stack([layer.keys[0].transpose(0, 1).flatten(1) for layer in layers])
+        values = torch.stack([layer.values[0].transpose(0, 1).flatten(1) for layer in layers])
+        return torch.stack([keys, values])

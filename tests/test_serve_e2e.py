@@ -10,9 +10,11 @@ import anthropic
 import httpx
 import openai
 import pytest
+import torch
 
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.servers import ServeRun
+from serve_app.kvsdk import connect, create_request, make_post_completion
 
 MODEL = "smollm2-135m-instruct"
 
@@ -184,3 +186,32 @@ def test_sixteen_concurrent_streaming_clients(oai: openai.OpenAI, engine: Infere
     assert texts == expected
     stats = _wait_idle(served)
     assert stats["active_tasks"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_kv_sdk_through_serve(served: ServeRun, engine: InferenceEngine) -> None:
+    """Retrieve, store under another salt and decode from the stored KV, through the Ray handles."""
+    context = connect(served.url)
+    assert context.config == engine.kv_config()
+    post = make_post_completion(served.url)
+    prompt = engine.tokenizer.encode("The lighthouse keeper climbed the stairs. " * 8)
+    greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    original = create_request(context, post, prompt, cache_salt="e2e-a")
+    original.generate(greedy)
+    kv = original.retrieve()
+    engine.submit(GenerateRequest(prompt=prompt, max_tokens=1, cache_salt="e2e-ref")).wait(60)
+    reference = engine.kv_retrieve(prompt, "e2e-ref")
+    assert reference is not None
+    torch.testing.assert_close(kv[:, :, : reference.shape[2]], reference, atol=1e-5, rtol=1e-5)
+    stored = kv.shape[2]
+    assert context.store(kv, original.tokens[:stored], "e2e-b") is True
+    assert context.store(kv, original.tokens[:stored], "e2e-b") is False
+    before = _wait_idle(served)
+    copy = create_request(context, post, prompt, cache_salt="e2e-b")
+    copy.generate(greedy)
+    assert copy.decoded_tokens == original.decoded_tokens
+    deadline = time.monotonic() + 10  # the stats board hears from the replica within a second
+    after = _stats(served)
+    while after["total_tasks"] == before["total_tasks"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = _stats(served)
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == (len(prompt) - 1) // 16 * 16

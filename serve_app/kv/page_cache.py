@@ -36,11 +36,11 @@ class PageCache(KVCache):
         self.pool = PagePool(n_pages, page_size)
         self.tasks = TaskTable()
         self.storage = Storage(shape, n_pages, page_size, device)
-        self._reserve = max(1, int(n_pages * _ADMISSION_RESERVE))
+        self.reserve_pages = max(1, int(n_pages * _ADMISSION_RESERVE))
 
     @property
     def max_task_tokens(self) -> int:
-        return (self.pool.n_pages - self._reserve) * self.page_size
+        return (self.pool.n_pages - self.reserve_pages) * self.page_size
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -51,7 +51,7 @@ class PageCache(KVCache):
         if self.enable_prefix_caching:
             # The last token is always computed again: its logits pick the next token.
             matched, last_hash = self.pool.match_prefix(tokens, cache_salt, (len(tokens) - 1) // self.page_size)
-        fresh = self.pool.allocate(self._pages_for(len(tokens)) - len(matched), keep_free=self._reserve)
+        fresh = self.pool.allocate(self._pages_for(len(tokens)) - len(matched), keep_free=self.reserve_pages)
         if fresh is None:
             self.pool.release(matched)
             return None

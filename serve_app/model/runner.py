@@ -82,6 +82,19 @@ class ModelRunner:
         self.vocab_size = int(text_config.vocab_size)
         logger.info("loaded %s on %s (%s)", self.path, self.device, self.dtype)
 
+    def rotary(self) -> tuple[str, float | None, torch.Tensor]:
+        """The model's RoPE: its type, base (theta) and per-pair inverse frequencies."""
+        text_config = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
+        parameters = dict(getattr(text_config, "rope_parameters", None) or {})
+        inv_freq = next(
+            (module.inv_freq for module in self.model.modules() if isinstance(getattr(module, "inv_freq", None), torch.Tensor)),
+            None,
+        )
+        if inv_freq is None:
+            raise RuntimeError("the model has no rotary embedding module (inv_freq) to describe")
+        theta = parameters.get("rope_theta", getattr(text_config, "rope_theta", None))
+        return str(parameters.get("rope_type", "default")), theta, inv_freq.detach().float().cpu()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, view: KVCacheView) -> torch.Tensor:
         """Run the model once over the packed batch; return float32 logits of the `sample_rows` [N, vocab]."""

@@ -9,13 +9,18 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serve_app.protocols.errors import ProtocolError, from_validation_error
 from serve_app.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
+
+if TYPE_CHECKING:
+    import torch
+
+    from serve_app.kv.transfer import StoreResult
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,19 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def ready(self) -> bool: ...
+
+    # Cached KV (the KV SDK). Each raises ProtocolError for what the engine refuses.
+    @abstractmethod
+    async def kv_config(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    async def kv_lookup(self, tokens: list[int], cache_salt: str) -> int: ...
+
+    @abstractmethod
+    async def kv_retrieve(self, tokens: list[int], cache_salt: str) -> torch.Tensor | None: ...
+
+    @abstractmethod
+    async def kv_store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str) -> StoreResult: ...
 
 
 @dataclass

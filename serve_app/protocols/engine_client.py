@@ -7,11 +7,15 @@ pickles through Ray streams; the client side (`deltas_from_events`) turns it bac
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+import torch
 
 from serve_app.engine import InferenceEngine
+from serve_app.kv.transfer import CacheFullError, StoreResult
 from serve_app.protocols.base import EngineClient, ModelInfo
 from serve_app.protocols.errors import ErrorKind, ProtocolError
 from serve_app.request import GenerateRequest, InvalidRequestError, StreamDelta
@@ -27,6 +31,43 @@ class RequestRefused:
 
 
 EngineEvent = StreamDelta | RequestRefused
+T = TypeVar("T")
+
+
+def refusal_or(call: Callable[[], T]) -> T | RequestRefused:
+    """`call()`, or the `RequestRefused` that a refused call becomes (it pickles through Ray)."""
+    try:
+        return call()
+    except InvalidRequestError as error:
+        return RequestRefused("invalid_request", str(error), error.param)
+    except CacheFullError as error:
+        return RequestRefused("not_ready", str(error))
+
+
+def unwrap(answer: T | RequestRefused) -> T:
+    """The answer of `refusal_or`, with a refusal raised as ProtocolError."""
+    if isinstance(answer, RequestRefused):
+        raise ProtocolError(answer.kind, answer.message, answer.param)
+    return answer
+
+
+class EngineKV:
+    """The engine's cached-KV calls as the client side wants them: blocking, refusals as values."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+
+    def config(self) -> dict[str, Any] | RequestRefused:
+        return refusal_or(lambda: self.engine.kv_config().to_dict())
+
+    def lookup(self, tokens: list[int], cache_salt: str) -> int | RequestRefused:
+        return refusal_or(lambda: self.engine.kv_lookup(tokens, cache_salt))
+
+    def retrieve(self, tokens: list[int], cache_salt: str) -> torch.Tensor | None | RequestRefused:
+        return refusal_or(lambda: self.engine.kv_retrieve(tokens, cache_salt))
+
+    def store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str) -> StoreResult | RequestRefused:
+        return refusal_or(lambda: self.engine.kv_store_chunks(kv, tokens, cache_salt))
 
 
 async def engine_events(engine: InferenceEngine | None, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
@@ -69,6 +110,7 @@ class LocalEngineClient(EngineClient):
     def __init__(self, engine: InferenceEngine, served_name: str) -> None:
         self.engine = engine
         self.info = model_info(engine, served_name)
+        self._kv = EngineKV(engine)
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
         return deltas_from_events(engine_events(self.engine, request))
@@ -84,6 +126,19 @@ class LocalEngineClient(EngineClient):
 
     async def ready(self) -> bool:
         return True
+
+    # The KV calls wait for the scheduler thread: run them off the event loop.
+    async def kv_config(self) -> dict[str, Any]:
+        return unwrap(await asyncio.to_thread(self._kv.config))
+
+    async def kv_lookup(self, tokens: list[int], cache_salt: str) -> int:
+        return unwrap(await asyncio.to_thread(self._kv.lookup, tokens, cache_salt))
+
+    async def kv_retrieve(self, tokens: list[int], cache_salt: str) -> torch.Tensor | None:
+        return unwrap(await asyncio.to_thread(self._kv.retrieve, tokens, cache_salt))
+
+    async def kv_store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str) -> StoreResult:
+        return unwrap(await asyncio.to_thread(self._kv.store, kv, tokens, cache_salt))
 
 
 def count_tokens(engine: InferenceEngine, request: GenerateRequest) -> int:

@@ -1,0 +1,154 @@
+"""KVTransfer: read and write a paged cache's prefix pages by token ids (the KV SDK's engine side).
+
+KV travels as one tensor `[2, n_layers, T, n_kv_heads * head_dim]` (k then v; k after RoPE) for
+the first `T` tokens, `T` a whole number of chunks (pages). Stored chunks are published in the
+prefix cache as a prefill's pages would be, so a request whose prompt starts with those tokens
+reads them instead of computing them. Every method runs on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from serve_app.kv.page_cache import PageCache
+from serve_app.kv.prefix_cache import PageHash, chain_hash
+from serve_app.request import InvalidRequestError
+
+
+class CacheFullError(RuntimeError):
+    """Too few free pages to store the KV now (every page is in use by running requests)."""
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """What a KV tensor means: chunking, geometry, dtype, and the model's rotary embedding.
+
+    `rope_inv_freq` holds the rotary frequencies of each of the `rotary_dim / 2` pairs of a head
+    (pairs are `(i, i + rotary_dim / 2)`, as in Hugging Face models), so K can be moved to other
+    positions whatever the RoPE variant.
+    """
+
+    chunk_size: int
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str
+    rope_type: str
+    rope_theta: float | None
+    rotary_dim: int
+    rope_inv_freq: tuple[float, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "rope_inv_freq": list(self.rope_inv_freq)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> KVConfig:
+        return cls(**{**data, "rope_inv_freq": tuple(data["rope_inv_freq"])})  # type: ignore[arg-type]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """How many chunks a store wrote, and how many were already cached (and skipped)."""
+
+    stored_chunks: int
+    deduplicated_chunks: int
+
+
+class KVTransfer:
+    """Lookup, retrieval and storage of whole-chunk token prefixes in a `PageCache`."""
+
+    def __init__(self, cache: PageCache, vocab_size: int) -> None:
+        self.cache = cache
+        self.vocab_size = vocab_size
+        shape = cache.storage.shape
+        self.row_width = shape.n_kv_heads * shape.head_dim
+
+    @property
+    def chunk_size(self) -> int:
+        return self.cache.page_size
+
+    def _cached_pages(self, tokens: Sequence[int], cache_salt: str) -> list[int]:
+        pages: list[int] = []
+        parent: PageHash | None = None
+        size = self.chunk_size
+        for index in range(len(tokens) // size):
+            parent = chain_hash(parent, tokens[index * size : (index + 1) * size], cache_salt)
+            page = self.cache.pool.prefix_cache.lookup(parent)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def lookup(self, tokens: Sequence[int], cache_salt: str) -> int:
+        """How many leading tokens, in whole chunks, are cached."""
+        return len(self._cached_pages(tokens, cache_salt)) * self.chunk_size
+
+    def retrieve(self, tokens: Sequence[int], cache_salt: str) -> torch.Tensor | None:
+        """The KV of the longest cached whole-chunk prefix of `tokens`, on the CPU; None under one chunk."""
+        pages = self._cached_pages(tokens, cache_salt)
+        if not pages:
+            return None
+        storage = self.cache.storage
+        index = torch.tensor(pages, dtype=torch.long, device=storage.device)
+        n_layers = storage.shape.n_layers
+        length = len(pages) * self.chunk_size
+        k = storage.k.index_select(1, index).reshape(n_layers, length, self.row_width)
+        v = storage.v.index_select(1, index).reshape(n_layers, length, self.row_width)
+        return torch.stack([k, v]).cpu()
+
+    def check(self, kv: torch.Tensor, tokens: Sequence[int]) -> None:
+        """Raise InvalidRequestError unless `kv` and `tokens` fit this cache and each other."""
+        shape = self.cache.storage.shape
+        if not isinstance(kv, torch.Tensor):
+            raise InvalidRequestError("kv", f"expected a tensor, got {type(kv).__name__}")
+        expected = f"[2, {shape.n_layers}, T, {self.row_width}] (k and v, layers, tokens, kv heads x head dim)"
+        if kv.dim() != 4 or kv.shape[0] != 2 or kv.shape[1] != shape.n_layers or kv.shape[3] != self.row_width:
+            raise InvalidRequestError("kv", f"shape {list(kv.shape)} does not match {expected}")
+        if kv.dtype != shape.dtype:
+            raise InvalidRequestError("kv", f"dtype {str(kv.dtype).removeprefix('torch.')} does not match the cache's "
+                                      f"{str(shape.dtype).removeprefix('torch.')}")
+        if len(tokens) != kv.shape[2]:
+            raise InvalidRequestError("tokens", f"{len(tokens)} tokens for KV of {kv.shape[2]} positions")
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("tokens", f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str) -> StoreResult:
+        """Write the whole chunks of `kv` under `tokens`; chunks already cached are skipped."""
+        self.check(kv, tokens)
+        size = self.chunk_size
+        pool = self.cache.pool
+        hashes: list[PageHash] = []
+        parent: PageHash | None = None
+        for index in range(len(tokens) // size):
+            parent = chain_hash(parent, tokens[index * size : (index + 1) * size], cache_salt)
+            hashes.append(parent)
+        missing = [i for i, page_hash in enumerate(hashes) if pool.prefix_cache.lookup(page_hash) is None]
+        if not missing:
+            return StoreResult(0, len(hashes))
+        # Hold the chunks already cached while allocating, so that eviction cannot take them.
+        held = [pool.prefix_cache.lookup(page_hash) for page_hash in hashes]
+        kept = [page for page in held if page is not None]
+        for page in kept:
+            pool.allocator.retain(page)
+        pages = pool.allocate(len(missing), keep_free=self.cache.reserve_pages)
+        if pages is None:
+            pool.release(kept)
+            raise CacheFullError(f"the cache has too few free pages to store {len(missing)} chunks now")
+        storage = self.cache.storage
+        shape = storage.shape
+        whole = len(hashes) * size
+        chunks = kv[:, :, :whole].to(storage.device).reshape(2, shape.n_layers, -1, size, shape.n_kv_heads, shape.head_dim)
+        for index, page in zip(missing, pages):
+            storage.k[:, page].copy_(chunks[0, :, index])
+            storage.v[:, page].copy_(chunks[1, :, index])
+            pool.publish(page, hashes[index])
+        pool.release(kept + pages)
+        return StoreResult(len(missing), len(hashes) - len(missing))

@@ -1,0 +1,69 @@
+"""The `/v1/kv/*` wire format, shared by the routes and the SDK.
+
+Lookup and retrieve take JSON (`tokens`, `cache_salt`). KV travels as a safetensors body: the
+tensor `kv` `[2, n_layers, T, n_kv_heads * head_dim]`, on store also `tokens` (int64, `[T]`),
+and the cache salt in the file's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors.torch import load, save
+
+from serve_app.protocols.errors import from_validation_error, invalid
+
+MEDIA_TYPE = "application/octet-stream"
+
+
+class TokensRequest(BaseModel):
+    """The body of `/v1/kv/lookup` and `/v1/kv/retrieve`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int] = Field(min_length=1)
+    cache_salt: str = ""
+
+
+def parse_tokens_request(body: Any) -> TokensRequest:
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    try:
+        return TokensRequest.model_validate(body)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def encode_kv(kv: torch.Tensor, tokens: list[int] | None = None, cache_salt: str | None = None) -> bytes:
+    """A safetensors body holding `kv` (and, for a store, its tokens and salt)."""
+    tensors = {"kv": kv.contiguous()}
+    if tokens is not None:
+        tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
+    metadata = {"cache_salt": cache_salt} if cache_salt is not None else None
+    return save(tensors, metadata)
+
+
+def _metadata(body: bytes) -> dict[str, str]:
+    (header_len,) = struct.unpack("<Q", body[:8])
+    header = json.loads(body[8 : 8 + header_len])
+    return header.get("__metadata__") or {}
+
+
+def decode_kv(body: bytes) -> tuple[torch.Tensor, list[int] | None, str]:
+    """(kv, tokens or None, cache salt) from a safetensors body; 400 naming what is wrong."""
+    try:
+        tensors = load(body)
+        metadata = _metadata(body)
+    except Exception as error:  # safetensors raises its own error types for every malformation
+        raise invalid(f"body: not a safetensors file ({error})", "body") from None
+    if "kv" not in tensors:
+        raise invalid("body: the safetensors file has no tensor named 'kv'", "kv")
+    tokens = tensors.get("tokens")
+    if tokens is not None and (tokens.dim() != 1 or tokens.dtype not in (torch.int64, torch.int32)):
+        raise invalid(f"tokens: expected a 1-D int64 tensor, got {tokens.dtype} of shape {list(tokens.shape)}", "tokens")
+    token_list = None if tokens is None else [int(t) for t in tokens.tolist()]
+    return tensors["kv"], token_list, str(metadata.get("cache_salt", ""))
