@@ -21,7 +21,7 @@ from serve_app.protocols.anthropic import CountTokensRequest, MessagesBuilder, p
 from serve_app.protocols.base import EngineClient, ProtocolHandler, ResponseBuilder
 from serve_app.protocols.errors import ProtocolError, invalid
 from serve_app.protocols.kv import MEDIA_TYPE as KV_MEDIA_TYPE
-from serve_app.protocols.kv import decode_kv, encode_kv, parse_tokens_request
+from serve_app.protocols.kv import TokensRequest, decode_kv, encode_kv, parse_tokens_request
 from serve_app.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
 from serve_app.request import GenerateRequest
 
@@ -126,6 +126,10 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
 
         return await guarded(chat, work)
 
+    async def tokens_request(request: Request) -> tuple[EngineClient, TokensRequest]:
+        engine = await ready_engine(request)
+        return engine, parse_tokens_request(await read_json(request, ctx(request).config.max_request_bytes))
+
     @api.get("/v1/kv/config")
     async def kv_config(request: Request) -> Response:
         async def work() -> Response:
@@ -136,8 +140,7 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
     @api.post("/v1/kv/lookup")
     async def kv_lookup(request: Request) -> Response:
         async def work() -> Response:
-            engine = await ready_engine(request)
-            req = parse_tokens_request(await read_json(request, ctx(request).config.max_request_bytes))
+            engine, req = await tokens_request(request)
             return JSONResponse({"cached_tokens": await engine.kv_lookup(req.tokens, req.cache_salt)})
 
         return await guarded(chat, work)
@@ -145,8 +148,7 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
     @api.post("/v1/kv/retrieve")
     async def kv_retrieve(request: Request) -> Response:
         async def work() -> Response:
-            engine = await ready_engine(request)
-            req = parse_tokens_request(await read_json(request, ctx(request).config.max_request_bytes))
+            engine, req = await tokens_request(request)
             kv = await engine.kv_retrieve(req.tokens, req.cache_salt)
             if kv is None:
                 raise ProtocolError("not_found", "no whole chunk of these tokens is cached under this salt", "tokens")

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from serve_app.kvsdk.errors import error_message
 from serve_app.kvsdk.metrics import StreamPerfMetrics
 
 
@@ -106,8 +107,4 @@ def make_post_completion(
 
 def _raise_for(response: httpx.Response) -> None:
     if response.status_code >= 400:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text
-        raise CompletionError(f"HTTP {response.status_code}: {message}")
+        raise CompletionError(f"HTTP {response.status_code}: {error_message(response)}")

@@ -9,6 +9,7 @@ import httpx
 import torch
 
 from serve_app.kv.transfer import KVConfig
+from serve_app.kvsdk.errors import error_message
 from serve_app.protocols.kv import MEDIA_TYPE, decode_kv, encode_kv
 
 
@@ -68,11 +69,7 @@ class KVContext:
 
 def _check(response: httpx.Response) -> None:
     if response.status_code >= 400:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text
-        raise KVError(response.status_code, message)
+        raise KVError(response.status_code, error_message(response))
 
 
 def connect(url: str, kind: str = "kv", timeout: float = 60.0, api_key: str | None = None) -> KVContext:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.protocols.base import Choice, ModelInfo, PreparedRequest, ResponseBuilder, sse, total_usage
-from serve_app.protocols.errors import ProtocolError, from_validation_error, invalid
+from serve_app.protocols.errors import ProtocolError, validate_body
 from serve_app.request import GenerateRequest, StreamDelta, Usage
 
 _ERROR_TYPES = {
@@ -67,12 +67,7 @@ class MessagesRequest(CountTokensRequest):
 
 def parse(model: type[BaseModel], body: Any, served: ModelInfo) -> Any:
     """Validate a body and its `model` (an unknown model is a 404, as Anthropic's API answers)."""
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    try:
-        req = model.model_validate(body)
-    except ValidationError as error:
-        raise from_validation_error(error) from None
+    req = validate_body(model, body)
     if req.model != served.id:
         raise ProtocolError("not_found", f"model: {req.model!r} is not served here; use {served.id!r}", "model")
     return req

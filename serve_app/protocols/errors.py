@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+Body = TypeVar("Body", bound=BaseModel)
 
 ErrorKind = Literal[
     "invalid_request", "authentication", "permission", "not_found", "too_large", "rate_limit", "not_ready", "internal"
@@ -44,3 +46,13 @@ def from_validation_error(error: ValidationError, prefix: str = "") -> ProtocolE
     param = f"{prefix}{location}" if location else (prefix.rstrip(".") or None)
     message = first.get("msg", "invalid value")
     return invalid(f"{param}: {message}" if param else message, param)
+
+
+def validate_body(model: type[Body], body: Any) -> Body:
+    """A JSON body as `model`: 400 when it is not an object or a field is wrong."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise from_validation_error(error) from None

@@ -12,10 +12,10 @@ import struct
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load, save
 
-from serve_app.protocols.errors import from_validation_error, invalid
+from serve_app.protocols.errors import invalid, validate_body
 
 MEDIA_TYPE = "application/octet-stream"
 
@@ -30,12 +30,7 @@ class TokensRequest(BaseModel):
 
 
 def parse_tokens_request(body: Any) -> TokensRequest:
-    if not isinstance(body, dict):
-        raise invalid("request body must be a JSON object")
-    try:
-        return TokensRequest.model_validate(body)
-    except ValidationError as error:
-        raise from_validation_error(error) from None
+    return validate_body(TokensRequest, body)
 
 
 def encode_kv(kv: torch.Tensor, tokens: list[int] | None = None, cache_salt: str | None = None) -> bytes:

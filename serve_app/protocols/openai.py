@@ -6,7 +6,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.protocols.base import (
     Choice,
@@ -16,7 +16,7 @@ from serve_app.protocols.base import (
     sse,
     total_usage,
 )
-from serve_app.protocols.errors import ProtocolError, from_validation_error, invalid
+from serve_app.protocols.errors import ProtocolError, invalid, validate_body
 from serve_app.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
 
 _ERROR_TYPES = {
@@ -119,15 +119,6 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
     return_token_ids: bool = Field(False, description="also return the generated token ids (with each streamed chunk)")
-
-
-def _validate(model: type[BaseModel], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as error:
-        raise from_validation_error(error) from None
 
 
 def _check_model(name: str, model: ModelInfo) -> None:
@@ -240,7 +231,7 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
     id_prefix = "chatcmpl-"
 
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
-        req: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
+        req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
         _check_model(req.model, model)
         messages = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
@@ -326,7 +317,7 @@ class CompletionsBuilder(_OpenAIBuilder):
     id_prefix = "cmpl-"
 
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
-        req: CompletionRequest = _validate(CompletionRequest, body)
+        req: CompletionRequest = validate_body(CompletionRequest, body)
         _check_model(req.model, model)
         if req.echo:
             raise invalid("echo: only false is supported", "echo")
