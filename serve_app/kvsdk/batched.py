@@ -37,8 +37,8 @@ class BatchedStream:
         params = {**(sampling_params or {}), "max_tokens": 1}
         return self._run("prefill", lambda stream: stream.generate(params))
 
-    def modify(self, fn: ModifyFn, kind: str = "kv", timeout: float = 30.0, poll_interval: float = 0.2) -> Metrics:
-        return self._run("modify", lambda stream: stream.modify_kv(fn, kind, timeout, poll_interval))
+    def modify(self, fn: ModifyFn, timeout: float = 30.0, poll_interval: float = 0.2, kind: str = "kv") -> Metrics:
+        return self._run("modify", lambda stream: stream.modify_kv(fn, timeout, poll_interval, kind))
 
     def decode(self, sampling_params: Mapping[str, Any]) -> Metrics:
         return self._run("decode", lambda stream: stream.generate(sampling_params))

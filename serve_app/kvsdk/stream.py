@@ -98,7 +98,7 @@ class RequestStream:
         return stored
 
     def modify_kv(
-        self, fn: ModifyFn, kind: str = "kv", timeout: float = 30.0, poll_interval: float = 0.2
+        self, fn: ModifyFn, timeout: float = 30.0, poll_interval: float = 0.2, kind: str = "kv"
     ) -> StreamPerfMetrics:
         """Replace the cached prefix by `fn(kv, prefix_tokens) -> (new_kv, new_tokens)`; keep the tail as suffix.
 
