@@ -18,6 +18,7 @@ from serve_app.protocols.engine_client import deltas_from_events, unwrap
 from serve_app.protocols.errors import ProtocolError
 from serve_app.request import GenerateRequest, StreamDelta
 from serve_app.server import ServerContext, create_api
+from serve_app.tenants import TenantDirectory
 
 # How long a readiness answer from the board is trusted.
 READY_TTL_S = 0.5
@@ -80,7 +81,9 @@ class RayEngineClient(EngineClient):
 class Ingress:
     def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle, config: dict[str, Any]) -> None:
         app_config = AppConfig.model_validate(config)
-        self.context = ServerContext(RayEngineClient(engine, stats_board), app_config.server)
+        server = app_config.server
+        tenants = TenantDirectory.from_config(server.api_keys_file, server.cache_salt_secret)
+        self.context = ServerContext(RayEngineClient(engine, stats_board), server, tenants=tenants)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_api(self.context)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 from typing import Any
 
 from pydantic import ValidationError
@@ -9,6 +11,7 @@ from ray.serve import Application
 
 from serve_app.config import AppConfig
 from serve_app.model.loader import resolve_model_path
+from serve_app.tenants import KEYS_ENV
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -22,6 +25,14 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     except ValidationError as error:
         raise ValueError(f"invalid serve_app application args:\n{error}") from None
     resolve_model_path(config.engine.model.name, config.engine.model.cache_dir)
+    # Every ingress replica must derive the same salts and know the same keys.
+    server = config.server.model_copy(
+        update={
+            "api_keys_file": config.server.api_keys_file or os.environ.get(KEYS_ENV),
+            "cache_salt_secret": config.server.cache_salt_secret or secrets.token_hex(32),
+        }
+    )
+    config = config.model_copy(update={"server": server})
     dumped = config.model_dump(mode="json")
     board = StatsBoard.bind()
     engine = EngineDeployment.bind(dumped, board)

@@ -114,6 +114,10 @@ class ServerConfig(_Strict):
     served_model_name: str | None = Field(None, description="the `model` clients send; defaults to the model option")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
     max_kv_bytes: int = Field(1024**3, ge=1024, description="larger `/v1/kv/store` bodies get 413")
+    api_keys_file: str | None = Field(
+        None, description="YAML or JSON: API key -> {tenant, role}; default: the file SERVE_APP_API_KEYS names"
+    )
+    cache_salt_secret: str | None = Field(None, description="the HMAC secret of cache salts; made at start when unset")
 
 
 class AppConfig(_Strict):

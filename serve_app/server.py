@@ -21,9 +21,10 @@ from serve_app.protocols.anthropic import CountTokensRequest, MessagesBuilder, p
 from serve_app.protocols.base import EngineClient, ProtocolHandler, ResponseBuilder
 from serve_app.protocols.errors import ProtocolError, invalid
 from serve_app.protocols.kv import MEDIA_TYPE as KV_MEDIA_TYPE
-from serve_app.protocols.kv import TokensRequest, decode_kv, encode_kv, parse_tokens_request
+from serve_app.protocols.kv import decode_kv, encode_kv, parse_tokens_request
 from serve_app.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
 from serve_app.request import GenerateRequest
+from serve_app.tenants import Tenant, TenantDirectory, check_client_salt
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,29 @@ class ServerContext:
     engine: EngineClient
     config: ServerConfig = field(default_factory=ServerConfig)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    tenants: TenantDirectory = field(default_factory=TenantDirectory.open)
+
+    def caller(self, request: Request, admin: bool = False) -> Tenant:
+        """Who sent `request` (`Authorization: Bearer <key>` or `x-api-key`): 401 when unknown, 403 when not admin."""
+        key = request.headers.get("x-api-key")
+        authorization = request.headers.get("authorization", "")
+        if key is None and authorization.lower().startswith("bearer "):
+            key = authorization[7:].strip()
+        tenant = self.tenants.authenticate(key)
+        if tenant is None:
+            raise ProtocolError("authentication", "a valid API key is required (Authorization: Bearer or x-api-key)")
+        if admin and not tenant.is_admin:
+            raise ProtocolError("permission", "this route needs an admin API key")
+        return tenant
+
+    def engine_salt(self, tenant: Tenant, client_salt: str) -> str:
+        """The engine's cache salt for a caller's request: the only way a salt reaches the engine."""
+        if client_salt:
+            try:
+                check_client_salt(client_salt)
+            except ValueError as error:
+                raise invalid(f"cache_salt: {error}", "cache_salt") from None
+        return self.tenants.cache_salt(tenant, client_salt)
 
 
 async def read_body(request: Request, limit: int, limit_name: str = "max_request_bytes") -> bytes:
@@ -70,11 +94,13 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
     def ctx(request: Request) -> ServerContext:
         return request.app.state.context
 
-    async def ready_engine(request: Request) -> EngineClient:
+    async def ready_engine(request: Request, admin: bool = False) -> tuple[EngineClient, Tenant]:
+        """The engine once it is ready, and the authenticated caller."""
+        tenant = ctx(request).caller(request, admin)
         engine = ctx(request).engine
         if not await engine.ready():
             raise ProtocolError("not_ready", "Engine not initialized")
-        return engine
+        return engine, tenant
 
     async def guarded(builder: ResponseBuilder, work: Callable[[], Awaitable[Response]]) -> Response:
         try:
@@ -89,8 +115,10 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
         async def route(request: Request) -> Response:
             async def work() -> Response:
                 context = ctx(request)
+                tenant = context.caller(request)
                 body = await read_json(request, context.config.max_request_bytes)
-                return await ProtocolHandler(builder, context.engine, context.metrics).handle(body)
+                handler = ProtocolHandler(builder, context.engine, context.metrics)
+                return await handler.handle(body, lambda salt: context.engine_salt(tenant, salt))
 
             return await guarded(builder, work)
 
@@ -103,7 +131,7 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         async def work() -> Response:
-            engine = await ready_engine(request)
+            engine, _ = await ready_engine(request)
             body = await read_json(request, ctx(request).config.max_request_bytes)
             req: CountTokensRequest = parse(CountTokensRequest, body, await engine.model_info())
             count = await engine.count_tokens(GenerateRequest(messages=req.chat(), max_tokens=None))
@@ -114,7 +142,8 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
     @api.get("/v1/models")
     async def models(request: Request) -> Response:
         async def work() -> Response:
-            info = await (await ready_engine(request)).model_info()
+            engine, _ = await ready_engine(request)
+            info = await engine.model_info()
             card = {
                 "id": info.id,
                 "object": "model",
@@ -126,30 +155,33 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
 
         return await guarded(chat, work)
 
-    async def tokens_request(request: Request) -> tuple[EngineClient, TokensRequest]:
-        engine = await ready_engine(request)
-        return engine, parse_tokens_request(await read_json(request, ctx(request).config.max_request_bytes))
+    async def tokens_request(request: Request) -> tuple[EngineClient, list[int], str]:
+        context = ctx(request)
+        engine, tenant = await ready_engine(request, admin=True)
+        req = parse_tokens_request(await read_json(request, context.config.max_request_bytes))
+        return engine, req.tokens, context.engine_salt(tenant, req.cache_salt)
 
     @api.get("/v1/kv/config")
     async def kv_config(request: Request) -> Response:
         async def work() -> Response:
-            return JSONResponse(await (await ready_engine(request)).kv_config())
+            engine, _ = await ready_engine(request, admin=True)
+            return JSONResponse(await engine.kv_config())
 
         return await guarded(chat, work)
 
     @api.post("/v1/kv/lookup")
     async def kv_lookup(request: Request) -> Response:
         async def work() -> Response:
-            engine, req = await tokens_request(request)
-            return JSONResponse({"cached_tokens": await engine.kv_lookup(req.tokens, req.cache_salt)})
+            engine, tokens, salt = await tokens_request(request)
+            return JSONResponse({"cached_tokens": await engine.kv_lookup(tokens, salt)})
 
         return await guarded(chat, work)
 
     @api.post("/v1/kv/retrieve")
     async def kv_retrieve(request: Request) -> Response:
         async def work() -> Response:
-            engine, req = await tokens_request(request)
-            kv = await engine.kv_retrieve(req.tokens, req.cache_salt)
+            engine, tokens, salt = await tokens_request(request)
+            kv = await engine.kv_retrieve(tokens, salt)
             if kv is None:
                 raise ProtocolError("not_found", "no whole chunk of these tokens is cached under this salt", "tokens")
             return Response(encode_kv(kv), media_type=KV_MEDIA_TYPE, headers={"x-cached-tokens": str(kv.shape[2])})
@@ -159,11 +191,12 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
     @api.post("/v1/kv/store")
     async def kv_store(request: Request) -> Response:
         async def work() -> Response:
-            engine = await ready_engine(request)
-            kv, tokens, cache_salt = decode_kv(await read_body(request, ctx(request).config.max_kv_bytes, "max_kv_bytes"))
+            context = ctx(request)
+            engine, tenant = await ready_engine(request, admin=True)
+            kv, tokens, cache_salt = decode_kv(await read_body(request, context.config.max_kv_bytes, "max_kv_bytes"))
             if tokens is None:
                 raise invalid("body: the safetensors file has no tensor named 'tokens'", "tokens")
-            result = await engine.kv_store(kv, tokens, cache_salt)
+            result = await engine.kv_store(kv, tokens, context.engine_salt(tenant, cache_salt))
             return JSONResponse(
                 {
                     "stored": result.stored_chunks > 0,
@@ -183,6 +216,7 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
     @api.get("/stats")
     async def stats(request: Request) -> Response:
         async def work() -> Response:
+            ctx(request).caller(request, admin=True)
             return JSONResponse(await ctx(request).engine.stats())
 
         return await guarded(chat, work)
@@ -191,6 +225,7 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
     async def metrics(request: Request) -> Response:
         async def work() -> Response:
             context = ctx(request)
+            context.caller(request, admin=True)
             return Response(context.metrics.render(await context.engine.stats()), media_type=CONTENT_TYPE)
 
         return await guarded(chat, work)

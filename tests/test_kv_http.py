@@ -25,6 +25,7 @@ from serve_app.kvsdk import (
 from serve_app.protocols.engine_client import LocalEngineClient
 from serve_app.protocols.kv import MEDIA_TYPE, encode_kv
 from serve_app.server import ServerContext, create_api
+from serve_app.tenants import OPEN
 from tests.inprocess import InProcessServer
 from tests.prompts import _PASSAGE
 
@@ -36,9 +37,14 @@ MAX_KV_BYTES = 16 * 2**20
 
 
 @pytest.fixture(scope="module")
-def server(engine: InferenceEngine) -> Iterator[InProcessServer]:
+def context(engine: InferenceEngine) -> ServerContext:
     config = ServerConfig(max_request_bytes=64 * 1024, max_kv_bytes=MAX_KV_BYTES)
-    srv = InProcessServer(create_api(ServerContext(LocalEngineClient(engine, MODEL), config)))
+    return ServerContext(LocalEngineClient(engine, MODEL), config)
+
+
+@pytest.fixture(scope="module")
+def server(context: ServerContext) -> Iterator[InProcessServer]:
+    srv = InProcessServer(create_api(context))
     yield srv
     srv.stop()
 
@@ -65,13 +71,17 @@ def test_config_route_matches_the_engine(ctx: KVContext, engine: InferenceEngine
     assert ctx.chunk_size == CHUNK
 
 
-def test_lookup_retrieve_store_round_trip(ctx: KVContext, post, engine: InferenceEngine, prompt: list[int]) -> None:
+def test_lookup_retrieve_store_round_trip(
+    ctx: KVContext, post, engine: InferenceEngine, context: ServerContext, prompt: list[int]
+) -> None:
     out = post(prompt, {"max_tokens": 1, **GREEDY}, "http-a")
     assert len(out.token_ids) == 1 and out.metrics.input_tokens == len(prompt)
     cached = len(prompt) // CHUNK * CHUNK
     assert ctx.lookup(prompt, "http-a") == cached
     kv = ctx.retrieve(prompt, "http-a")
-    assert kv is not None and torch.equal(kv, engine.kv_retrieve(prompt, "http-a"))
+    # The server derives the engine's salt from the caller and the client's salt.
+    assert engine.kv_retrieve(prompt, "http-a") is None
+    assert kv is not None and torch.equal(kv, engine.kv_retrieve(prompt, context.tenants.cache_salt(OPEN, "http-a")))
     assert ctx.store_chunks(kv, prompt[:cached], "http-b") == {
         "stored": True, "stored_chunks": cached // CHUNK, "deduplicated_chunks": 0,
     }

@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -165,11 +165,16 @@ class ProtocolHandler:
         self.engine = engine
         self.observer = observer
 
-    async def handle(self, body: Any) -> Response:
+    async def handle(self, body: Any, cache_salt: Callable[[str], str] | None = None) -> Response:
+        """Answer one request; `cache_salt` maps each client salt to the engine's (the server derives salts)."""
         try:
             if not await self.engine.ready():
                 raise ProtocolError("not_ready", "Engine not initialized")
             prepared = self.builder.prepare(body, await self.engine.model_info())
+            if cache_salt is not None:
+                prepared.requests = [
+                    r.model_copy(update={"cache_salt": cache_salt(r.cache_salt)}) for r in prepared.requests
+                ]
             streams = [_TimedStream(self.engine.stream(r)) for r in prepared.requests]
             firsts = await _first_deltas(streams)
         except ValidationError as error:

@@ -6,7 +6,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.protocols.base import (
     Choice,
@@ -18,6 +18,7 @@ from serve_app.protocols.base import (
 )
 from serve_app.protocols.errors import ProtocolError, invalid, validate_body
 from serve_app.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
+from serve_app.tenants import check_client_salt
 
 _ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
@@ -78,6 +79,11 @@ class _SamplingFields(_Lenient):
     ignore_eos: bool = False
     cache_salt: str | None = None
     user: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _client_salt(cls, value: str | None) -> str | None:
+        return None if value is None else check_client_salt(value)
 
     def engine_fields(self, max_tokens: int | None, logprobs: int | None, choice: int) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -1,0 +1,132 @@
+"""Tenants: API keys, 401/403 in each protocol's shape, and prompt caches that never mix across tenants."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+import yaml
+
+from serve_app import InferenceEngine
+from serve_app.protocols.engine_client import LocalEngineClient
+from serve_app.server import ServerContext, create_api
+from serve_app.tenants import OPEN, Tenant, TenantDirectory, key_digest, load_keys
+from tests.inprocess import InProcessServer
+from tests.prompts import _PASSAGE
+
+MODEL = "smollm2-135m-instruct"
+KEYS = {
+    "key-a": {"tenant": "acme", "role": "user"},
+    f"sha256:{key_digest('key-b')}": {"tenant": "globex"},
+    "key-admin": {"tenant": "ops", "role": "admin"},
+}
+
+
+@pytest.fixture(scope="module")
+def server(engine: InferenceEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    keys_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys_file.write_text(yaml.safe_dump(KEYS))
+    tenants = TenantDirectory.from_config(str(keys_file), secret="test-secret")
+    srv = InProcessServer(create_api(ServerContext(LocalEngineClient(engine, MODEL), tenants=tenants)))
+    yield srv
+    srv.stop()
+
+
+def oai(server: InProcessServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+
+def test_keys_load_from_yaml_and_json_with_hashed_entries(tmp_path: Path) -> None:
+    for name, dump in (("keys.yaml", yaml.safe_dump), ("keys.json", json.dumps)):
+        path = tmp_path / name
+        path.write_text(dump(KEYS))
+        keys = load_keys(path)
+        assert keys[key_digest("key-a")] == Tenant("acme", "user")
+        assert keys[key_digest("key-b")] == Tenant("globex", "user")
+        assert keys[key_digest("key-admin")].is_admin
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"k": {"tenant": "t", "role": "root"}}))
+    with pytest.raises(ValueError, match="bad.yaml"):
+        load_keys(bad)
+
+
+def test_without_keys_the_server_is_open_and_says_so(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    monkeypatch.delenv("SERVE_APP_API_KEYS", raising=False)
+    with caplog.at_level(logging.WARNING):
+        tenants = TenantDirectory.from_config(None, None)
+    assert not tenants.auth_enabled and tenants.authenticate(None) == OPEN
+    assert "no API keys configured" in caplog.text
+
+
+def test_salts_depend_on_tenant_client_salt_and_secret() -> None:
+    one, other = TenantDirectory({}, "s1"), TenantDirectory({}, "s2")
+    acme, globex = Tenant("acme", "user"), Tenant("globex", "user")
+    salts = {one.cache_salt(acme), one.cache_salt(globex), one.cache_salt(acme, "x"), other.cache_salt(acme)}
+    assert len(salts) == 4
+    assert one.cache_salt(acme, "x") == TenantDirectory({}, "s1").cache_salt(acme, "x")
+    # A client salt cannot pose as another tenant's: the tenant id is fenced off from it.
+    assert one.cache_salt(Tenant("a", "user"), "cme") != one.cache_salt(Tenant("acme", "user"))
+
+
+def test_missing_or_unknown_keys_get_401_in_each_protocol_shape(server: InProcessServer) -> None:
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"x-api-key": "nope"}):
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        oai(server, "nope").chat.completions.create(**chat)
+    claude = anthropic.Anthropic(base_url=server.url, api_key="nope", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as failure:
+        claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert failure.value.body["error"]["type"] == "authentication_error"
+    # Both headers work on both APIs.
+    assert oai(server, "key-a").chat.completions.create(**chat).choices[0].message.content is not None
+    message = httpx.post(
+        f"{server.url}/v1/messages",
+        json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+        headers={"Authorization": "Bearer key-b"},
+    )
+    assert message.status_code == 200 and message.json()["type"] == "message"
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers={"x-api-key": "key-b"})
+    assert response.status_code == 200
+
+
+def test_health_is_open_and_admin_routes_need_an_admin(server: InProcessServer) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    for route in ("/stats", "/metrics", "/v1/kv/config"):
+        assert httpx.get(f"{server.url}{route}").status_code == 401
+        user = httpx.get(f"{server.url}{route}", headers={"Authorization": "Bearer key-a"})
+        assert user.status_code == 403 and user.json()["error"]["type"] == "permission_error"
+        assert httpx.get(f"{server.url}{route}", headers={"Authorization": "Bearer key-admin"}).status_code == 200
+    lookup = httpx.post(f"{server.url}/v1/kv/lookup", json={"tokens": [1, 2]}, headers={"x-api-key": "key-a"})
+    assert lookup.status_code == 403
+
+
+def test_one_tenants_prompt_cache_is_invisible_to_another(server: InProcessServer, engine: InferenceEngine) -> None:
+    prompt = f"{_PASSAGE * 2}Tenant isolation check: the keeper"
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    first = oai(server, "key-a").completions.create(**ask)
+    second = oai(server, "key-a").completions.create(**ask)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    hits = engine.get_stats()["prefix_cache_hit_tokens"]
+    other = oai(server, "key-b").completions.create(**ask)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert engine.get_stats()["prefix_cache_hit_tokens"] == hits
+    # A client salt subdivides a tenant's own cache.
+    salted = oai(server, "key-a").completions.create(**ask, extra_body={"cache_salt": "project-1"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 129, "bad\x01salt", 7])
+def test_bad_client_salts_are_400(server: InProcessServer, salt: object) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "cache_salt": salt}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"x-api-key": "key-a"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
