@@ -114,6 +114,12 @@ class ServerConfig(_Strict):
     served_model_name: str | None = Field(None, description="the `model` clients send; defaults to the model option")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
     max_kv_bytes: int = Field(1024**3, ge=1024, description="larger `/v1/kv/store` bodies get 413")
+    max_n: int = Field(16, ge=1, description="choices per request at most")
+    max_stop_sequences: int = Field(16, ge=0, description="stop sequences per request at most")
+    max_stop_length: int = Field(256, ge=1, description="characters per stop sequence at most")
+    max_messages: int = Field(1024, ge=1, description="chat messages per request at most")
+    max_output_tokens: int | None = Field(None, ge=1, description="new tokens per request at most; None: the context")
+    max_concurrent_per_tenant: int = Field(256, ge=1, description="a tenant's requests in flight per ingress; 429 past it")
     api_keys_file: str | None = Field(
         None, description="YAML or JSON: API key -> {tenant, role}; default: the file SERVE_APP_API_KEYS names"
     )

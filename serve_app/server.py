@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serve_app.config import ServerConfig
 from serve_app.metrics import CONTENT_TYPE, ServerMetrics
@@ -24,7 +24,8 @@ from serve_app.protocols.kv import MEDIA_TYPE as KV_MEDIA_TYPE
 from serve_app.protocols.kv import decode_kv, encode_kv, parse_tokens_request
 from serve_app.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
 from serve_app.request import GenerateRequest
-from serve_app.tenants import Tenant, TenantDirectory, check_client_salt
+from serve_app.protocols.limits import RequestLimits
+from serve_app.tenants import Tenant, TenantDirectory, TenantSlots, check_client_salt
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,12 @@ class ServerContext:
     config: ServerConfig = field(default_factory=ServerConfig)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     tenants: TenantDirectory = field(default_factory=TenantDirectory.open)
+    slots: TenantSlots = field(init=False)
+    limits: RequestLimits = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slots = TenantSlots(self.config.max_concurrent_per_tenant)
+        self.limits = RequestLimits.from_config(self.config)
 
     def caller(self, request: Request, admin: bool = False) -> Tenant:
         """Who sent `request` (`Authorization: Bearer <key>` or `x-api-key`): 401 when unknown, 403 when not admin."""
@@ -85,6 +92,24 @@ async def read_json(request: Request, limit: int) -> Any:
         raise invalid("malformed JSON: nested too deeply") from None
 
 
+def _released_after(response: Response, release: Callable[[], None]) -> Response:
+    """`response`, calling `release` once it has been sent (a stream: when it ends or the client leaves)."""
+    if not isinstance(response, StreamingResponse):
+        release()
+        return response
+    body = response.body_iterator
+
+    async def releasing() -> AsyncIterator[Any]:
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            release()
+
+    response.body_iterator = releasing()
+    return response
+
+
 def create_api(context: ServerContext | None = None) -> FastAPI:
     api = FastAPI(title="serve-app", description="OpenAI and Anthropic compatible LLM inference")
     if context is not None:
@@ -117,8 +142,16 @@ def create_api(context: ServerContext | None = None) -> FastAPI:
                 context = ctx(request)
                 tenant = context.caller(request)
                 body = await read_json(request, context.config.max_request_bytes)
+                if not context.slots.try_take(tenant):
+                    limit = context.config.max_concurrent_per_tenant
+                    raise ProtocolError("rate_limit", f"over max_concurrent_per_tenant={limit} requests in flight")
                 handler = ProtocolHandler(builder, context.engine, context.metrics)
-                return await handler.handle(body, lambda salt: context.engine_salt(tenant, salt))
+                try:
+                    response = await handler.handle(body, lambda salt: context.engine_salt(tenant, salt), context.limits)
+                except BaseException:
+                    context.slots.give_back(tenant)
+                    raise
+                return _released_after(response, lambda: context.slots.give_back(tenant))
 
             return await guarded(builder, work)
 

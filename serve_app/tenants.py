@@ -123,3 +123,28 @@ class TenantDirectory:
         """The engine's salt for `tenant`, subdivided by the client's own salt."""
         message = b"tenant\x00" + tenant.id.encode("utf-8") + b"\x00salt\x00" + client_salt.encode("utf-8")
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+
+class TenantSlots:
+    """Requests in flight per tenant, at most `limit` each (one event loop's count: no lock needed)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._in_flight: dict[str, int] = {}
+
+    def try_take(self, tenant: Tenant) -> bool:
+        count = self._in_flight.get(tenant.id, 0)
+        if count >= self.limit:
+            return False
+        self._in_flight[tenant.id] = count + 1
+        return True
+
+    def give_back(self, tenant: Tenant) -> None:
+        count = self._in_flight.get(tenant.id, 0) - 1
+        if count > 0:
+            self._in_flight[tenant.id] = count
+        else:
+            self._in_flight.pop(tenant.id, None)
+
+    def in_flight(self, tenant: Tenant) -> int:
+        return self._in_flight.get(tenant.id, 0)

@@ -92,6 +92,8 @@ def _usage_json(usage: Usage) -> dict[str, int]:
 class MessagesBuilder(ResponseBuilder):
     """`POST /v1/messages`."""
 
+    stop_param = "stop_sequences"
+
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         req: MessagesRequest = parse(MessagesRequest, body, model)
         request = GenerateRequest(

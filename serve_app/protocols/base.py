@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from serve_app.kv.transfer import StoreResult
+    from serve_app.protocols.limits import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,9 @@ def sse(data: Any, event: str | None = None) -> str:
 class ResponseBuilder(ABC):
     """One API's request parsing and response shapes. Adding a protocol is one builder."""
 
+    # The name this API gives its stop sequences, for errors about them.
+    stop_param = "stop"
+
     @abstractmethod
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         """Validate the JSON body; raise ProtocolError naming the field on bad input."""
@@ -165,12 +169,16 @@ class ProtocolHandler:
         self.engine = engine
         self.observer = observer
 
-    async def handle(self, body: Any, cache_salt: Callable[[str], str] | None = None) -> Response:
-        """Answer one request; `cache_salt` maps each client salt to the engine's (the server derives salts)."""
+    async def handle(
+        self, body: Any, cache_salt: Callable[[str], str] | None = None, limits: RequestLimits | None = None
+    ) -> Response:
+        """Answer one request, held to `limits`; `cache_salt` maps each client salt to the engine's."""
         try:
             if not await self.engine.ready():
                 raise ProtocolError("not_ready", "Engine not initialized")
             prepared = self.builder.prepare(body, await self.engine.model_info())
+            if limits is not None:
+                prepared = limits.apply(prepared, self.builder.stop_param)
             if cache_salt is not None:
                 prepared.requests = [
                     r.model_copy(update={"cache_salt": cache_salt(r.cache_salt)}) for r in prepared.requests
