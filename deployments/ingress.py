@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,6 +21,8 @@ from serve_app.request import GenerateRequest, StreamDelta
 from serve_app.server import ServerContext, create_api
 from serve_app.tenants import TenantDirectory
 
+logger = logging.getLogger(__name__)
+
 # How long a readiness answer from the board is trusted.
 READY_TTL_S = 0.5
 
@@ -36,10 +39,20 @@ class RayEngineClient(EngineClient):
         self._checked = 0.0
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """The request's deltas; an engine replica lost on the way ends the stream with an error delta."""
         events = self._stream.generate.remote(request)
+        started = False
         try:
             async for delta in deltas_from_events(events):
+                started = True
                 yield delta
+        except ProtocolError:
+            raise
+        except Exception as error:  # the replica died or Ray failed: not the client's doing
+            logger.warning("engine stream failed: %s", error)
+            if not started:
+                raise ProtocolError("not_ready", "the engine replica is unavailable; retry shortly") from None
+            yield StreamDelta("", (), "error", error="the engine replica serving this request failed")
         finally:
             events.cancel()
 

@@ -8,7 +8,7 @@ from typing import Any
 from ray import serve
 
 # A replica that has not reported for this long is gone.
-STALE_AFTER_S = 5.0
+STALE_AFTER_S = 3.0
 
 
 @serve.deployment(
