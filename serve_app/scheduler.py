@@ -132,12 +132,26 @@ class InferenceScheduler:
             self._calls.clear()
 
     def step(self) -> None:
-        """One scheduling step: room for decodes, admissions, one forward, sampling, publishing."""
+        """One scheduling step: room for decodes, admissions, one forward, sampling, publishing.
+
+        If the step fails, its requests run again one by one, so that only the ones that fail
+        alone end with an error and the others go on.
+        """
         self._make_room_for_decodes()
         self._admit()
         entries, tasks = self._build_batch()
         if not entries:
             return
+        self.stats.prefill_tokens += sum(e.num_new for e, t in zip(entries, tasks) if t.is_prefilling)
+        lengths = [task.num_tokens for task in tasks]
+        try:
+            self._run(entries, tasks)
+        except Exception:
+            logger.exception("engine step failed; running its %d requests one by one", len(tasks))
+            self._run_each(entries, tasks, lengths)
+
+    def _run(self, entries: list[BatchEntry], tasks: list[Task]) -> None:
+        """One forward over `entries`, then sampling for the tasks at the end of their tokens."""
         sample_rows, sampled, row = [], [], 0
         for entry, task in zip(entries, tasks):
             row += entry.num_new
@@ -145,7 +159,6 @@ class InferenceScheduler:
                 sample_rows.append(row - 1)
                 sampled.append(task)
         token_ids = [tok for entry, task in zip(entries, tasks) for tok in task.tokens[entry.start : entry.end]]
-        self.stats.prefill_tokens += sum(e.num_new for e, t in zip(entries, tasks) if t.is_prefilling)
         logits = self.runner.forward(ForwardBatch(entries, token_ids, sample_rows), self.cache.view(entries))
         self.stats.steps += 1
         for entry, task in zip(entries, tasks):
@@ -153,6 +166,16 @@ class InferenceScheduler:
             self.cache.commit(task.task_id, task.tokens, task.num_computed)
         if sampled:
             self._sample_and_publish(logits, sampled)
+
+    def _run_each(self, entries: list[BatchEntry], tasks: list[Task], lengths: list[int]) -> None:
+        for entry, task, length in zip(entries, tasks, lengths):
+            if task.state is TaskState.FINISHED or task.num_tokens != length:
+                continue  # it finished, or it took its token before the failure
+            try:
+                self._run([entry], [task])
+            except Exception as exc:
+                logger.exception("task %d failed", task.task_id)
+                self._finish(task, StreamDelta("", (), "error", error=f"engine step failed: {exc}"))
 
     def _sample_and_publish(self, logits: torch.Tensor, tasks: list[Task]) -> None:
         batch = SamplingBatch.build(
@@ -269,7 +292,6 @@ class InferenceScheduler:
             self.waiting.remove(task)
         task.state = TaskState.FINISHED
         task.result.publish(delta)
-
 
 
 def _run_into(fn: Callable[[], object], future: Future) -> None:
