@@ -1,4 +1,4 @@
-"""The `serve-app` console script: `prepare-model` and `bench engine`."""
+"""The `serve-app` console script: `prepare-model` and the `bench` commands."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ def _bench_serve(args: argparse.Namespace) -> None:
 
 def _bench_prefix(args: argparse.Namespace) -> None:
     from serve_app.bench.prefix_bench import main
+
+    main(args)
+
+
+def _bench_soak(args: argparse.Namespace) -> None:
+    from serve_app.bench.soak import main
 
     main(args)
 
@@ -105,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--seed", type=int, default=0)
     prefix.add_argument("--json", default=None)
     prefix.set_defaults(func=_bench_prefix)
+
+    soak = bench.add_parser("soak", help="many streaming clients (some hanging up, some malformed) against serve run")
+    soak.add_argument("--clients", type=int, default=48)
+    soak.add_argument("--duration", type=float, default=120.0, help="seconds per round")
+    soak.add_argument("--rounds", type=int, default=3)
+    soak.add_argument("--max-tokens", type=int, default=32)
+    soak.add_argument("--deadline", type=float, default=120.0, help="a request taking longer is a hang")
+    soak.add_argument("--max-growth-mb", type=float, default=200.0, help="allowed memory growth after the first round")
+    soak.add_argument("--json", default=None)
+    soak.set_defaults(func=_bench_soak)
     return parser
 
 
