@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
-
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 

@@ -23,8 +23,8 @@ from serve_app.protocols.errors import ProtocolError, invalid
 from serve_app.protocols.kv import MEDIA_TYPE as KV_MEDIA_TYPE
 from serve_app.protocols.kv import decode_kv, encode_kv, parse_tokens_request
 from serve_app.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
-from serve_app.request import GenerateRequest
 from serve_app.protocols.limits import RequestLimits
+from serve_app.request import GenerateRequest
 from serve_app.tenants import Tenant, TenantDirectory, TenantSlots, check_client_salt
 
 logger = logging.getLogger(__name__)

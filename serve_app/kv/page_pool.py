@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from serve_app.kv.allocator import Allocator
-from serve_app.kv.prefix_cache import PageHash, PrefixCache, chain_hash
+from serve_app.kv.prefix_cache import PageHash, PrefixCache, chunk_hashes
 
 
 class PagePool:
@@ -28,9 +28,7 @@ class PagePool:
         """Take a reference to each cached leading full page (at most `max_pages`); return them and the last hash."""
         pages: list[int] = []
         parent: PageHash | None = None
-        size = self.page_size
-        for index in range(min(max_pages, len(tokens) // size)):
-            page_hash = chain_hash(parent, tokens[index * size : (index + 1) * size], cache_salt)
+        for page_hash in chunk_hashes(tokens, self.page_size, cache_salt, max_pages):
             page = self.prefix_cache.lookup(page_hash)
             if page is None:
                 break

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 PageHash = bytes
 
@@ -18,6 +18,15 @@ def chain_hash(parent: PageHash | None, tokens: Sequence[int], cache_salt: str) 
         digest.update(parent)
     digest.update(array("q", tokens).tobytes())
     return digest.digest()
+
+
+def chunk_hashes(tokens: Sequence[int], page_size: int, cache_salt: str, limit: int | None = None) -> Iterator[PageHash]:
+    """The chained hash of each whole page of `tokens` in order (at most `limit` of them)."""
+    parent: PageHash | None = None
+    count = len(tokens) // page_size if limit is None else min(limit, len(tokens) // page_size)
+    for index in range(count):
+        parent = chain_hash(parent, tokens[index * page_size : (index + 1) * page_size], cache_salt)
+        yield parent
 
 
 class PrefixCache:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from serve_app.kv.page_cache import PageCache
-from serve_app.kv.prefix_cache import PageHash, chain_hash
+from serve_app.kv.prefix_cache import chunk_hashes
 from serve_app.request import InvalidRequestError
 
 
@@ -76,11 +76,8 @@ class KVTransfer:
 
     def _cached_pages(self, tokens: Sequence[int], cache_salt: str) -> list[int]:
         pages: list[int] = []
-        parent: PageHash | None = None
-        size = self.chunk_size
-        for index in range(len(tokens) // size):
-            parent = chain_hash(parent, tokens[index * size : (index + 1) * size], cache_salt)
-            page = self.cache.pool.prefix_cache.lookup(parent)
+        for page_hash in chunk_hashes(tokens, self.chunk_size, cache_salt):
+            page = self.cache.pool.prefix_cache.lookup(page_hash)
             if page is None:
                 break
             pages.append(page)
@@ -125,17 +122,13 @@ class KVTransfer:
         self.check(kv, tokens)
         size = self.chunk_size
         pool = self.cache.pool
-        hashes: list[PageHash] = []
-        parent: PageHash | None = None
-        for index in range(len(tokens) // size):
-            parent = chain_hash(parent, tokens[index * size : (index + 1) * size], cache_salt)
-            hashes.append(parent)
-        missing = [i for i, page_hash in enumerate(hashes) if pool.prefix_cache.lookup(page_hash) is None]
+        hashes = list(chunk_hashes(tokens, size, cache_salt))
+        cached = [pool.prefix_cache.lookup(page_hash) for page_hash in hashes]
+        missing = [i for i, page in enumerate(cached) if page is None]
         if not missing:
             return StoreResult(0, len(hashes))
         # Hold the chunks already cached while allocating, so that eviction cannot take them.
-        held = [pool.prefix_cache.lookup(page_hash) for page_hash in hashes]
-        kept = [page for page in held if page is not None]
+        kept = [page for page in cached if page is not None]
         for page in kept:
             pool.allocator.retain(page)
         pages = pool.allocate(len(missing), keep_free=self.cache.reserve_pages)
