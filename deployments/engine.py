@@ -1,10 +1,9 @@
-"""EngineDeployment: one InferenceEngine per replica, streaming deltas through an async generator."""
+"""EngineDeployment: one engine per replica, in its own process, streaming deltas through an async generator."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +12,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
-from serve_app.engine import InferenceEngine
+from serve_app.engine_process import EngineProcess, EngineProcessError
 from serve_app.kv.transfer import StoreResult
 from serve_app.protocols.engine_client import (
     EngineEvent,
@@ -33,18 +32,21 @@ HEARTBEAT_S = 1.0
 
 @serve.deployment(name="EngineDeployment", max_ongoing_requests=256, logging_config={"enable_access_log": False})
 class EngineDeployment:
-    """Loads the model in its constructor, so a replica only takes traffic once it can serve it."""
+    """Loads the model in its constructor, so a replica only takes traffic once it can serve it.
+
+    The engine runs in a child process (`EngineProcess`): its scheduler then never waits for this
+    replica's interpreter lock, which Serve's event loops and Ray's threads hold for every item.
+    """
 
     def __init__(self, config: dict[str, Any], stats_board: DeploymentHandle) -> None:
         app_config = AppConfig.model_validate(config)
-        self.engine = InferenceEngine(config=app_config.engine)
+        self.engine = EngineProcess(app_config.engine)
         self.info = model_info(self.engine, app_config.served_model_name)
         self.kv = EngineKV(self.engine)
         self._board = stats_board
         self._replica_id = serve.get_replica_context().replica_id.unique_id
-        self._stopped = threading.Event()
-        self._reporter = threading.Thread(target=self._report_stats, name="stats-reporter", daemon=True)
-        self._reporter.start()
+        # On the replica's event loop: Serve handles may be called only from a running loop.
+        self._reporter = asyncio.get_running_loop().create_task(self._report_stats())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
         async for event in engine_events(self.engine, request):
@@ -70,26 +72,32 @@ class EngineDeployment:
         return await asyncio.to_thread(self.kv.store, kv, tokens, cache_salt)
 
     def check_health(self) -> None:
-        if not self.engine.scheduler.alive:
-            raise RuntimeError("the engine's scheduler thread has stopped")
+        if not self.engine.alive:
+            raise RuntimeError("the engine process has exited")
 
-    def _report_stats(self) -> None:
+    async def _report_stats(self) -> None:
         """Push stats to the board when they change, and at least every HEARTBEAT_S."""
         last: dict[str, int] | None = None
         waited = HEARTBEAT_S
-        while not self._stopped.wait(REPORT_EVERY_S):
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
             waited += REPORT_EVERY_S
-            stats = self.engine.get_stats()
+            try:
+                stats = await asyncio.to_thread(self.engine.get_stats)
+            except EngineProcessError:
+                return  # the health check fails this replica; the board forgets it when it falls silent
             if stats == last and waited < HEARTBEAT_S:
                 continue
             try:
-                self._board.report.remote(self._replica_id, stats, self.info)
+                await self._board.report.remote(self._replica_id, stats, self.info)
                 last, waited = stats, 0.0
             except Exception:  # the board may be restarting; the next round retries
                 logger.warning("could not report stats", exc_info=True)
 
     def __del__(self) -> None:
-        self._stopped.set()
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None:
+            reporter.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

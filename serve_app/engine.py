@@ -104,6 +104,10 @@ class InferenceEngine:
         self.scheduler.submit(task)
         return result
 
+    async def submit_async(self, request: GenerateRequest) -> GenerateResult:
+        """`submit` for asyncio callers (the same call here; `EngineProcess` awaits its engine's answer)."""
+        return self.submit(request)
+
     def _check_lengths(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """The request's token budget; the prompt and `max_tokens` must fit the context and the cache."""
         limit = min(self.max_model_len, self.cache.max_task_tokens)

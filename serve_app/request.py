@@ -23,6 +23,9 @@ class InvalidRequestError(ValueError):
         self.param = param
         self.message = message
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # it crosses to the engine's host process
+        return type(self), (self.param, self.message)
+
 
 class GenerateRequest(BaseModel):
     """One generation: a prompt (text or token ids) or chat messages, sampling and stop settings."""

@@ -56,6 +56,7 @@ class InferenceScheduler:
         self._inbox: list[Task] = []
         self._aborts: set[int] = set()
         self._calls: list[tuple[Callable[[], object], Future]] = []
+        self._step_listeners: list[Callable[[], None]] = []
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="inference-scheduler", daemon=True)
@@ -73,6 +74,14 @@ class InferenceScheduler:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def add_step_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` on the scheduler thread after every round of the loop, and once when it stops.
+
+        A round is the cancellations, calls and step since the last one: a listener can ship
+        everything they published in one go.
+        """
+        self._step_listeners.append(listener)
 
     def submit(self, task: Task) -> None:
         with self._wake:
@@ -124,12 +133,21 @@ class InferenceScheduler:
                 logger.exception("engine step failed")
                 for task in list(self.running):
                     self._finish(task, StreamDelta("", (), "error", error=f"engine step failed: {exc}"))
+            self._notify_step_listeners()
         for task in [*self.running, *self.waiting, *self._inbox]:
             self._finish(task, StreamDelta("", (), "cancelled"))
+        self._notify_step_listeners()
         with self._wake:
             for _, future in self._calls:
                 future.set_exception(RuntimeError("the engine has shut down"))
             self._calls.clear()
+
+    def _notify_step_listeners(self) -> None:
+        for listener in self._step_listeners:
+            try:
+                listener()
+            except Exception:
+                logger.exception("a step listener failed")
 
     def step(self) -> None:
         """One scheduling step: room for decodes, admissions, one forward, sampling, publishing.

@@ -8,17 +8,32 @@ pickles through Ray streams; the client side (`deltas_from_events`) turns it bac
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from serve_app.engine import InferenceEngine
-from serve_app.kv.transfer import CacheFullError, StoreResult
+from serve_app.kv.transfer import CacheFullError, KVConfig, StoreResult
 from serve_app.protocols.base import EngineClient, ModelInfo
 from serve_app.protocols.errors import ErrorKind, ProtocolError
-from serve_app.request import GenerateRequest, InvalidRequestError, StreamDelta
+from serve_app.request import GenerateRequest, GenerateResult, InvalidRequestError, StreamDelta
+
+
+class ServingEngine(Protocol):
+    """What serving needs of an engine: `InferenceEngine` in process, or `EngineProcess` in its own."""
+
+    max_model_len: int
+    created: int
+
+    async def submit_async(self, request: GenerateRequest) -> GenerateResult: ...
+    def prompt_ids(self, request: GenerateRequest) -> list[int]: ...
+    def get_stats(self) -> dict[str, int]: ...
+    def kv_config(self) -> KVConfig: ...
+    def kv_lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int: ...
+    def kv_retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None: ...
+    def kv_store_chunks(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> StoreResult: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +69,7 @@ def unwrap(answer: T | RequestRefused) -> T:
 class EngineKV:
     """The engine's cached-KV calls as the client side wants them: blocking, refusals as values."""
 
-    def __init__(self, engine: InferenceEngine) -> None:
+    def __init__(self, engine: ServingEngine) -> None:
         self.engine = engine
 
     def config(self) -> dict[str, Any] | RequestRefused:
@@ -70,13 +85,13 @@ class EngineKV:
         return refusal_or(lambda: self.engine.kv_store_chunks(kv, tokens, cache_salt))
 
 
-async def engine_events(engine: InferenceEngine | None, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
+async def engine_events(engine: ServingEngine | None, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
     """One request's deltas (merged when the reader falls behind), or a single `RequestRefused`."""
     if engine is None:
         yield RequestRefused("not_ready", "Engine not initialized")
         return
     try:
-        result = engine.submit(request)
+        result = await engine.submit_async(request)
     except InvalidRequestError as error:
         yield RequestRefused("invalid_request", str(error), error.param)
         return
@@ -100,7 +115,7 @@ async def deltas_from_events(events: AsyncIterator[Any]) -> AsyncIterator[Stream
             await closer()
 
 
-def model_info(engine: InferenceEngine, served_name: str) -> ModelInfo:
+def model_info(engine: ServingEngine, served_name: str) -> ModelInfo:
     return ModelInfo(id=served_name, max_model_len=engine.max_model_len, created=engine.created)
 
 
@@ -141,5 +156,5 @@ class LocalEngineClient(EngineClient):
         return unwrap(await asyncio.to_thread(self._kv.store, kv, tokens, cache_salt))
 
 
-def count_tokens(engine: InferenceEngine, request: GenerateRequest) -> int:
+def count_tokens(engine: ServingEngine, request: GenerateRequest) -> int:
     return len(engine.prompt_ids(request))

@@ -1,0 +1,136 @@
+"""EngineProcess: the engine in a child process answers as the in-process engine does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve_app.config import EngineConfig
+from serve_app.engine import InferenceEngine
+from serve_app.engine_process import EngineProcess, EngineProcessError
+from serve_app.request import GenerateRequest, InvalidRequestError
+
+OPTIONS = dict(kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=512)
+PROMPTS = ([5, 17, 300, 41], list(range(100, 140)), [7] * 19)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_llama_path: Path) -> EngineConfig:
+    return EngineConfig.from_options(model=str(tiny_llama_path), **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def process(config: EngineConfig) -> Iterator[EngineProcess]:
+    engine = EngineProcess(config)
+    yield engine
+    engine.shutdown()
+
+
+def _greedy(prompt: list[int], max_tokens: int = 12, **extra) -> GenerateRequest:
+    return GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)
+
+
+def _wait_idle(engine: EngineProcess, timeout: float = 30.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.get_stats()
+        if stats["active_tasks"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]:
+            return stats
+        time.sleep(0.02)
+    raise AssertionError(f"still busy after {timeout} s: {engine.get_stats()}")
+
+
+def test_tokens_and_usage_equal_the_in_process_engine(process: EngineProcess, config: EngineConfig) -> None:
+    local = InferenceEngine(config=config)
+    try:
+        expected = [local.submit(_greedy(p)).wait(60) for p in PROMPTS]
+    finally:
+        local.shutdown()
+    results = [process.submit(_greedy(p)) for p in PROMPTS]  # all in flight together
+    for result, reference in zip(results, expected):
+        result.wait(60)
+        assert result.token_ids == reference.token_ids and result.text == reference.text
+        assert result.finish_reason == "length" and result.usage == reference.usage
+    assert process.max_model_len == 512
+
+
+def test_a_stream_is_the_whole_result_in_order(process: EngineProcess) -> None:
+    whole = process.submit(_greedy(PROMPTS[1], 20)).wait(60)
+
+    async def streamed() -> list:
+        result = await process.submit_async(_greedy(PROMPTS[1], 20))
+        return [delta async for delta in result.astream()]
+
+    deltas = asyncio.run(streamed())
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert deltas[0].usage is not None and deltas[-1].finish_reason == "length"
+    # The second run found the first one's prompt in the prefix cache, and says so.
+    assert deltas[-1].usage.cached_tokens == 32
+
+
+def test_refusals_arrive_as_the_engine_raised_them(process: EngineProcess) -> None:
+    with pytest.raises(InvalidRequestError) as vocab:
+        process.submit(GenerateRequest(prompt=[10**7], max_tokens=2))
+    assert vocab.value.param == "prompt" and "outside the vocabulary" in vocab.value.message
+    with pytest.raises(InvalidRequestError) as room:
+        process.submit(GenerateRequest(prompt=[5, 6], max_tokens=5000))
+    assert room.value.param == "max_tokens"
+    assert process.prompt_ids(GenerateRequest(prompt=[3, 4, 5])) == [3, 4, 5]
+
+
+def test_abandoning_a_stream_cancels_it_and_frees_its_pages(process: EngineProcess) -> None:
+    async def read_two() -> int:
+        result = await process.submit_async(_greedy(PROMPTS[2], 400))
+        stream = result.astream()
+        taken = [await anext(stream), await anext(stream)]
+        await stream.aclose()
+        return len(taken)
+
+    assert asyncio.run(read_two()) == 2
+    stats = _wait_idle(process)
+    assert stats["total_tokens"] < stats["total_tasks"] * 400
+
+
+def test_cached_kv_crosses_the_process(process: EngineProcess, config: EngineConfig) -> None:
+    prompt = list(range(200, 248))
+    process.submit(_greedy(prompt, 1)).wait(60)
+    assert process.kv_config().chunk_size == 16
+    assert process.kv_lookup(prompt) == 48
+    kv = process.kv_retrieve(prompt)
+    assert isinstance(kv, torch.Tensor) and kv.shape[2] == 48
+    other = process.kv_store_chunks(kv, prompt, cache_salt="elsewhere")
+    assert (other.stored_chunks, other.deduplicated_chunks) == (3, 0)
+    assert torch.equal(process.kv_retrieve(prompt, cache_salt="elsewhere"), kv)
+    with pytest.raises(InvalidRequestError) as bad:
+        process.kv_store_chunks(kv[:, :, :20], prompt)
+    assert bad.value.param == "tokens" and "48 tokens for KV of 20 positions" in bad.value.message
+
+
+def test_a_killed_engine_process_fails_its_requests(config: EngineConfig) -> None:
+    engine = EngineProcess(config)
+    try:
+        result = engine.submit(_greedy(PROMPTS[0], 400))
+        engine._process.kill()
+        result.wait(30)
+        assert result.finish_reason == "error" and "exited" in (result.error or "")
+        deadline = time.monotonic() + 10
+        while engine.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.alive
+        with pytest.raises(EngineProcessError):
+            engine.submit(_greedy(PROMPTS[0]))
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_cancels_unfinished_requests(config: EngineConfig) -> None:
+    engine = EngineProcess(config)
+    result = engine.submit(_greedy(PROMPTS[1], 400))
+    engine.shutdown()
+    assert result.wait(10).finish_reason == "cancelled"
+    assert not engine.alive
