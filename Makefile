@@ -5,8 +5,12 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 export SERVE_APP_CACHE_DIR ?= $(CURDIR)/.cache/serve-app
-# Ray's workers (the engine replica too) otherwise run at niceness 15: see README, Performance.
+# Ray's workers (the engine replica too) otherwise run at niceness 15; Serve's throughput mode
+# (user code and routers on each replica's main loop, gRPC between replicas) without its direct
+# ingress, so HTTP stays on the one port of serve_config.yaml: see README, Performance.
 export RAY_worker_niceness ?= 0
+export RAY_SERVE_THROUGHPUT_OPTIMIZED ?= 1
+export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
 PYTEST_ARGS ?=
 
 .PHONY: setup model serve test bench clean

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -33,10 +34,13 @@ class RayEngineClient(EngineClient):
     def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle) -> None:
         self._engine = engine
         self._stream = engine.options(stream=True)
+        # KV tensors (hundreds of MB) go through Ray's object store, not a replica's gRPC message limit.
+        self._kv = engine.options(_by_reference=True)
         self._board = stats_board
         self._info: ModelInfo | None = None
         self._ready = False
         self._checked = 0.0
+        self._refreshing: asyncio.Task | None = None
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
         """The request's deltas; an engine replica lost on the way ends the stream with an error delta."""
@@ -69,24 +73,37 @@ class RayEngineClient(EngineClient):
         return await self._board.summed.remote()
 
     async def ready(self) -> bool:
-        now = time.monotonic()
-        if now - self._checked > READY_TTL_S:
-            self._ready, info = await self._board.status.remote()
-            self._info = self._info or info
-            self._checked = now
+        """The board's last answer; an old one is refreshed in the background, off the request's path."""
+        if self._info is None:
+            await self._refresh()
+        elif time.monotonic() - self._checked > READY_TTL_S and self._refreshing is None:
+            self._refreshing = asyncio.create_task(self._refresh_in_background())
         return self._ready and self._info is not None
 
+    async def _refresh(self) -> None:
+        self._ready, info = await self._board.status.remote()
+        self._info = self._info or info
+        self._checked = time.monotonic()
+
+    async def _refresh_in_background(self) -> None:
+        try:
+            await self._refresh()
+        except Exception:  # the board may be restarting; the next request tries again
+            logger.warning("could not read readiness from the stats board", exc_info=True)
+        finally:
+            self._refreshing = None
+
     async def kv_config(self) -> dict[str, Any]:
-        return unwrap(await self._engine.kv_config.remote())
+        return unwrap(await self._kv.kv_config.remote())
 
     async def kv_lookup(self, tokens: list[int], cache_salt: str) -> int:
-        return unwrap(await self._engine.kv_lookup.remote(tokens, cache_salt))
+        return unwrap(await self._kv.kv_lookup.remote(tokens, cache_salt))
 
     async def kv_retrieve(self, tokens: list[int], cache_salt: str) -> torch.Tensor | None:
-        return unwrap(await self._engine.kv_retrieve.remote(tokens, cache_salt))
+        return unwrap(await self._kv.kv_retrieve.remote(tokens, cache_salt))
 
     async def kv_store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str) -> StoreResult:
-        return unwrap(await self._engine.kv_store.remote(kv, tokens, cache_salt))
+        return unwrap(await self._kv.kv_store.remote(kv, tokens, cache_salt))
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})

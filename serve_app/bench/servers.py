@@ -19,7 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 # Ray starts its workers (every replica, the engine's too) at niceness 15 unless told otherwise;
 # on a small machine the model's threads then lose the CPU to any nice-0 process (the load
 # generator, Ray's own daemons) and every interruption stalls both threads of a matrix product.
-SERVE_ENV = {"RAY_worker_niceness": "0"}
+# Serve's throughput mode runs user code and routers on each replica's main loop and talks gRPC
+# between replicas; its direct ingress (an HTTP port per ingress replica) stays off.
+# `make serve` exports the same.
+SERVE_ENV = {
+    "RAY_worker_niceness": "0",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+}
 
 
 def free_port() -> int:
