@@ -34,8 +34,8 @@ HEARTBEAT_S = 1.0
 class EngineDeployment:
     """Loads the model in its constructor, so a replica only takes traffic once it can serve it.
 
-    The engine runs in a child process (`EngineProcess`): its scheduler then never waits for this
-    replica's interpreter lock, which Serve's event loops and Ray's threads hold for every item.
+    The engine runs in a child process (`EngineProcess`), so its scheduler shares no interpreter
+    lock with this replica's event loops and Ray's threads.
     """
 
     def __init__(self, config: dict[str, Any], stats_board: DeploymentHandle) -> None:

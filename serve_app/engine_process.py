@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -57,8 +57,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the tables below and `_exit_reason`
         self._ids = itertools.count(1)
-        self._submits: dict[int, Future] = {}
-        self._calls: dict[int, Future] = {}
+        self._pending: dict[int, Future] = {}  # call id -> the answer to a submit or a call
         self._results: dict[int, GenerateResult] = {}
         self._exit_reason: str | None = None
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
@@ -131,23 +130,23 @@ class EngineProcess:
 
     # -- the wire ----------------------------------------------------------------------------
     def _submit(self, request: GenerateRequest) -> Future:
-        return self._request(self._submits, lambda call_id: ("submit", call_id, request))
+        return self._request(lambda call_id: ("submit", call_id, request))
 
     def _call(self, method: str, *args: Any) -> Any:
-        return self._request(self._calls, lambda call_id: ("call", call_id, method, args)).result()
+        return self._request(lambda call_id: ("call", call_id, method, args)).result()
 
-    def _request(self, table: dict[int, Future], message: Any) -> Future:
+    def _request(self, message: Callable[[int], tuple]) -> Future:
         future: Future = Future()
         call_id = next(self._ids)
         with self._lock:
             if self._exit_reason is not None:
                 raise EngineProcessError(self._exit_reason)
-            table[call_id] = future
+            self._pending[call_id] = future
         try:
             self._post(message(call_id))
         except EngineProcessError:
             with self._lock:
-                table.pop(call_id, None)
+                self._pending.pop(call_id, None)
             raise
         return future
 
@@ -179,12 +178,12 @@ class EngineProcess:
             result = GenerateResult(task_id=task_id, prompt_tokens=prompt_tokens, _on_abandon=self._abandon)
             with self._lock:
                 self._results[task_id] = result
-                future = self._submits.pop(call_id)
+                future = self._pending.pop(call_id)
             future.set_result(result)
         elif kind == "reply":
             _, call_id, ok, value = message
             with self._lock:
-                future = self._submits.pop(call_id, None) or self._calls.pop(call_id)
+                future = self._pending.pop(call_id)
             if ok:
                 future.set_result(value)
             else:
@@ -210,10 +209,9 @@ class EngineProcess:
     def _fail_everything(self, reason: str) -> None:
         with self._lock:
             self._exit_reason = reason
-            pending = [*self._submits.values(), *self._calls.values()]
+            pending = list(self._pending.values())
             results = list(self._results.values())
-            self._submits.clear()
-            self._calls.clear()
+            self._pending.clear()
             self._results.clear()
         for future in pending:
             future.set_exception(EngineProcessError(reason))
