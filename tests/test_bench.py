@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from serve_app import InferenceEngine
+from serve_app.bench.compare import plan_runs
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.hardware import decode_ceiling_tok_s
 from serve_app.bench.prompts import long_passage, make_prompts
@@ -62,6 +63,14 @@ def test_engine_bench_counts_every_token(tiny_llama_path: Path) -> None:
     assert row.concurrency == 3 and row.output_tok_s > 0 and 0 < row.ttft_p50_s <= row.ttft_p99_s
 
 
+def test_compare_alternates_engine_and_http_by_concurrency() -> None:
+    systems = ["engine", "hf-static", "http"]
+    assert plan_runs(systems, [1, 64]) == [
+        ("engine", [1]), ("http", [1]), ("engine", [64]), ("http", [64]), ("hf-static", [1, 64]),
+    ]
+    assert plan_runs(["hf-static", "engine"], [1, 64]) == [("hf-static", [1, 64]), ("engine", [1, 64])]
+
+
 def test_bench_compare_small_run(tmp_path: Path) -> None:
     """In-process systems in subprocesses, greedy tokens checked against one-at-a-time transformers."""
     out, plot = tmp_path / "compare.json", tmp_path / "compare.png"
@@ -76,6 +85,7 @@ def test_bench_compare_small_run(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert [r["system"] for r in report["rows"]] == ["engine", "hf-sequential", "hf-static"]
     assert all(ROW_FIELDS <= set(r) for r in report["rows"])
+    assert all(r["host_gflops"] > 0 for r in report["rows"])
     assert report["rows"][0]["output_tokens"] == 16 and report["rows"][1]["requests"] == 2
     assert report["oracle"] == {"equal": 2, "compared": 2}
     assert report["matmul_gflops"] > 0 and report["decode_ceiling_tok_s"] > 0

@@ -1,7 +1,9 @@
 """`serve-app bench compare`: every system over the same prompts in one run, side by side, as ratios.
 
 Each in-process system runs in a fresh subprocess (its own memory peak, no shared state); the
-HTTP system is a real `serve run` loaded by an async OpenAI client from this process.
+HTTP system is a real `serve run` loaded by an async OpenAI client from this process. The engine
+and HTTP runs alternate by concurrency (`plan_runs`), and the host's matmul rate is measured
+before every run, because a shared host's speed drifts (here by up to a fifth within half an hour).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -59,22 +62,36 @@ def worker(argv: list[str]) -> None:
     args.out.write_text(json.dumps({"rows": [asdict(r) for r in result.rows], "tokens": result.tokens}))
 
 
-def _run_worker(system: str, model_path: Path, prompts: list[list[int]], args: argparse.Namespace, tmp: Path):
+def plan_runs(systems: Sequence[str], concurrencies: Sequence[int]) -> list[tuple[str, list[int]]]:
+    """The runs in order, each a system and its concurrency levels.
+
+    With both `engine` and `http`, they alternate level by level (the engine at C, then HTTP at
+    C, each fresh), so every HTTP/engine ratio compares runs minutes apart on a host whose speed
+    drifts; the other systems follow, each over every level at once.
+    """
+    paired = "engine" in systems and "http" in systems
+    runs = [(system, [c]) for c in concurrencies for system in ("engine", "http")] if paired else []
+    return runs + [(s, list(concurrencies)) for s in systems if not (paired and s in ("engine", "http"))]
+
+
+def _run_worker(
+    system: str, model_path: Path, prompts: list[list[int]], concurrency: list[int], args: argparse.Namespace, tmp: Path
+):
     prompt_file = tmp / f"{system}-prompts.json"
     prompt_file.write_text(json.dumps(prompts))
     out = tmp / f"{system}.json"
     command = [
         sys.executable, "-m", "serve_app.bench.compare", "--worker", system, "--model-path", str(model_path),
         "--prompts", str(prompt_file), "--max-tokens", str(args.max_tokens), "--out", str(out),
-        "--single-client-prompts", str(args.single_client_prompts), "--concurrency", *map(str, args.concurrency),
+        "--single-client-prompts", str(args.single_client_prompts), "--concurrency", *map(str, concurrency),
     ]
-    print(f"running {system} ...", flush=True)
+    print(f"running {system} at concurrency {','.join(map(str, concurrency))} ...", flush=True)
     subprocess.run(command, check=True)
     data = json.loads(out.read_text())
     return [BenchRow(**row) for row in data["rows"]], data["tokens"]
 
 
-def _run_http(prompts: list[list[int]], args: argparse.Namespace, tmp: Path) -> list[BenchRow]:
+def _run_http(prompts: list[list[int]], concurrency: list[int], args: argparse.Namespace, tmp: Path) -> list[BenchRow]:
     from serve_app.bench.servers import ServeRun
     from serve_app.bench.systems import run_http
 
@@ -90,7 +107,7 @@ def _run_http(prompts: list[list[int]], args: argparse.Namespace, tmp: Path) -> 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        rows = run_http(server.url, MODEL, prompts, args.concurrency, args.max_tokens, args.single_client_prompts)
+        rows = run_http(server.url, MODEL, prompts, concurrency, args.max_tokens, args.single_client_prompts)
     finally:
         stop.set()
         sampler.join()
@@ -112,17 +129,21 @@ def main(args: argparse.Namespace) -> None:
     n_params = _parameter_count(model_path)
     ceiling = decode_ceiling_tok_s(gflops, n_params)
     rows: list[BenchRow] = []
+    host_gflops: list[float] = []  # the matmul rate measured just before each row's run
     tokens: dict[str, list[list[int]]] = {}
     with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as tmp:
-        for system in systems:
+        for system, concurrency in plan_runs(systems, args.concurrency):
+            rate = matmul_gflops()
             if system == "http":
-                rows += _run_http(prompts, args, Path(tmp))
-                continue
-            subset = prompts[: args.sequential_prompts] if system == "hf-sequential" else prompts
-            system_rows, system_tokens = _run_worker(system, model_path, subset, args, Path(tmp))
-            rows += system_rows
-            tokens[system] = system_tokens
-    report = _report(rows, tokens, gflops, n_params, ceiling, args)
+                run_rows = _run_http(prompts, concurrency, args, Path(tmp))
+            else:
+                subset = prompts[: args.sequential_prompts] if system == "hf-sequential" else prompts
+                run_rows, run_tokens = _run_worker(system, model_path, subset, concurrency, args, Path(tmp))
+                if len(run_tokens) >= len(tokens.get(system, [])):
+                    tokens[system] = run_tokens
+            rows += run_rows
+            host_gflops += [rate] * len(run_rows)
+    report = _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args)
     print(report["text"])
     if args.json:
         Path(args.json).write_text(json.dumps(report["json"], indent=2))
@@ -140,11 +161,15 @@ def _parameter_count(model_path: Path) -> int:
         return sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
 
 
-def _report(rows, tokens, gflops, n_params, ceiling, args) -> dict:
+def _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args) -> dict:
     lines = [format_table(rows), ""]
     lines.append(f"fp32 matmul: {gflops:.0f} GFLOP/s; {n_params / 1e6:.0f}M parameters -> decode ceiling {ceiling:.0f} tok/s")
-    for row in rows:
-        lines.append(f"  {row.system:>18} c={row.concurrency:<4} {row.output_tok_s:8.1f} tok/s = {row.output_tok_s / ceiling:6.1%} of the ceiling")
+    lines.append("  (host matmul GFLOP/s measured again just before each run, to show drift)")
+    for row, rate in zip(rows, host_gflops):
+        lines.append(
+            f"  {row.system:>18} c={row.concurrency:<4} {row.output_tok_s:8.1f} tok/s = "
+            f"{row.output_tok_s / ceiling:6.1%} of the ceiling   host {rate:.0f} GFLOP/s"
+        )
     best_engine = {r.concurrency: r for r in rows if r.system == "engine"}
     engine_top = max(best_engine.values(), key=lambda r: r.output_tok_s, default=None)
     ratios = {}
@@ -175,7 +200,10 @@ def _report(rows, tokens, gflops, n_params, ceiling, args) -> dict:
         "matmul_gflops": round(gflops, 1),
         "parameters": n_params,
         "decode_ceiling_tok_s": round(ceiling, 1),
-        "rows": [asdict(r) | {"ceiling_fraction": round(r.output_tok_s / ceiling, 4)} for r in rows],
+        "rows": [
+            asdict(r) | {"ceiling_fraction": round(r.output_tok_s / ceiling, 4), "host_gflops": round(rate, 1)}
+            for r, rate in zip(rows, host_gflops)
+        ],
         "ratios": ratios,
         "oracle": oracle,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
