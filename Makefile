@@ -7,10 +7,12 @@ STAMP := $(VENV)/.installed
 export SERVE_APP_CACHE_DIR ?= $(CURDIR)/.cache/serve-app
 # Ray's workers (the engine replica too) otherwise run at niceness 15; Serve's throughput mode
 # (user code and routers on each replica's main loop, gRPC between replicas) without its direct
-# ingress, so HTTP stays on the one port of serve_config.yaml: see README, Performance.
+# ingress, so HTTP stays on the one port of serve_config.yaml; the Serve controller's loop at 1 s
+# instead of 0.1 s: see README, Configuration and scale.
 export RAY_worker_niceness ?= 0
 export RAY_SERVE_THROUGHPUT_OPTIMIZED ?= 1
 export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
+export RAY_SERVE_CONTROL_LOOP_INTERVAL_S ?= 1.0
 PYTEST_ARGS ?=
 
 .PHONY: setup model serve test bench clean

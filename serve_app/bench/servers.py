@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 # on a small machine the model's threads then lose the CPU to any nice-0 process (the load
 # generator, Ray's own daemons) and every interruption stalls both threads of a matrix product.
 # Serve's throughput mode runs user code and routers on each replica's main loop and talks gRPC
-# between replicas; its direct ingress (an HTTP port per ingress replica) stays off.
-# `make serve` exports the same.
+# between replicas; its direct ingress (an HTTP port per ingress replica) stays off. The Serve
+# controller reconciles every 1 s instead of 0.1 s (its loop's wake-ups stall the model's threads
+# too). `make serve` exports the same.
 SERVE_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0",
 }
 
 
