@@ -55,9 +55,6 @@ class EngineDeployment:
     def count_tokens(self, request: GenerateRequest) -> int:
         return count_tokens(self.engine, request)
 
-    def stats(self) -> dict[str, int]:
-        return self.engine.get_stats()
-
     # The KV calls wait for the scheduler thread: run them off the replica's event loop.
     async def kv_config(self) -> dict[str, Any] | RequestRefused:
         return self.kv.config()
@@ -83,7 +80,7 @@ class EngineDeployment:
             await asyncio.sleep(REPORT_EVERY_S)
             waited += REPORT_EVERY_S
             try:
-                stats = await asyncio.to_thread(self.engine.get_stats)
+                stats = self.engine.latest_stats
             except EngineProcessError:
                 return  # the health check fails this replica; the board forgets it when it falls silent
             if stats == last and waited < HEARTBEAT_S:

@@ -12,8 +12,11 @@ goes away:
     ("call", call_id, method, args)              ("reply", call_id, ok, value or error)
     ("shutdown",)
                                                  ("deltas", [(task_id, StreamDelta), ...])
+                                                 ("stats", get_stats())
 
 Every delta a scheduler round published goes out in one `deltas` message after that round.
+The engine's stats go out every STATS_EVERY_S when they have changed (the ready message
+carries the first), so a host's stats reporter needs no round trip.
 A request's `accepted` is always sent before its first delta. Messages are plain pickles (not
 multiprocessing's, which would move tensors to shared memory): `send` and `receive`.
 """
@@ -24,6 +27,7 @@ import logging
 import pickle
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -37,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # The engine methods a host may call by name.
 CALLS = frozenset({"prompt_ids", "get_stats", "kv_config", "kv_lookup", "kv_retrieve", "kv_store_chunks"})
-POLL_S = 1.0
+STATS_EVERY_S = 0.2
 
 
 class EngineChild:
@@ -51,23 +55,27 @@ class EngineChild:
         self._outbox_lock = threading.Lock()
         # KV calls wait for the scheduler; they must not hold up submits and aborts.
         self._calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-call")
+        self._pushed_stats = engine.get_stats()
         engine.scheduler.add_step_listener(self._flush)
 
     def serve(self) -> None:
         """Handle messages until `shutdown`, the host's end closing, or the scheduler dying."""
-        info = {"max_model_len": self.engine.max_model_len, "created": self.engine.created}
+        info = {"max_model_len": self.engine.max_model_len, "created": self.engine.created, "stats": self._pushed_stats}
         self._send(("ready", info))
+        next_stats = time.monotonic() + STATS_EVERY_S
         try:
             while True:
-                if not self._conn.poll(POLL_S):
+                if self._conn.poll(max(0.0, next_stats - time.monotonic())):
+                    message = receive(self._conn)
+                    if message[0] == "shutdown":
+                        return
+                    self._handle(message)
+                if time.monotonic() >= next_stats:
                     if not self.engine.scheduler.alive:
                         logger.error("the scheduler thread has stopped; exiting")
                         return
-                    continue
-                message = receive(self._conn)
-                if message[0] == "shutdown":
-                    return
-                self._handle(message)
+                    self._push_stats()
+                    next_stats = time.monotonic() + STATS_EVERY_S
         except (EOFError, OSError):
             logger.info("the host closed the connection; exiting")
         finally:
@@ -111,6 +119,12 @@ class EngineChild:
             self._send(answer)
         except (OSError, ValueError):
             pass  # the host has gone
+
+    def _push_stats(self) -> None:
+        stats = self.engine.get_stats()
+        if stats != self._pushed_stats:
+            self._pushed_stats = stats
+            self._send(("stats", stats))
 
     def _post(self, task_id: int, delta: StreamDelta) -> None:
         with self._outbox_lock:

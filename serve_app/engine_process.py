@@ -54,6 +54,7 @@ class EngineProcess:
         info = self._wait_ready(start_timeout)
         self.max_model_len: int = info["max_model_len"]
         self.created: int = info["created"]
+        self._stats: dict[str, int] = info["stats"]
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the tables below and `_exit_reason`
         self._ids = itertools.count(1)
@@ -95,7 +96,16 @@ class EngineProcess:
         return self._call("prompt_ids", request)
 
     def get_stats(self) -> dict[str, int]:
+        """The engine's stats now (a round trip to its process)."""
         return self._call("get_stats")
+
+    @property
+    def latest_stats(self) -> dict[str, int]:
+        """The stats the engine process last pushed: at most its STATS_EVERY_S old, no round trip."""
+        with self._lock:
+            if self._exit_reason is not None:
+                raise EngineProcessError(self._exit_reason)
+            return dict(self._stats)
 
     def kv_config(self) -> KVConfig:
         return self._call("kv_config")
@@ -180,6 +190,9 @@ class EngineProcess:
                 self._results[task_id] = result
                 future = self._pending.pop(call_id)
             future.set_result(result)
+        elif kind == "stats":
+            with self._lock:
+                self._stats = message[1]
         elif kind == "reply":
             _, call_id, ok, value = message
             with self._lock:

@@ -96,6 +96,22 @@ def test_abandoning_a_stream_cancels_it_and_frees_its_pages(process: EngineProce
     assert stats["total_tokens"] < stats["total_tasks"] * 400
 
 
+def test_the_engine_process_pushes_its_stats(process: EngineProcess) -> None:
+    """`latest_stats` follows the engine without a round trip: a finished request shows up in it."""
+    before = _wait_idle(process)
+    process.submit(_greedy(PROMPTS[0], 5)).wait(60)
+    expected = {"total_tasks": before["total_tasks"] + 1, "total_tokens": before["total_tokens"] + 5, "active_tasks": 0}
+
+    def shown(stats: dict[str, int]) -> dict[str, int]:
+        return {key: stats[key] for key in expected}
+
+    deadline = time.monotonic() + 5
+    while shown(process.latest_stats) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert shown(process.latest_stats) == expected
+    assert process.latest_stats == process.get_stats()
+
+
 def test_cached_kv_crosses_the_process(process: EngineProcess, config: EngineConfig) -> None:
     prompt = list(range(200, 248))
     process.submit(_greedy(prompt, 1)).wait(60)
@@ -124,6 +140,8 @@ def test_a_killed_engine_process_fails_its_requests(config: EngineConfig) -> Non
         assert not engine.alive
         with pytest.raises(EngineProcessError):
             engine.submit(_greedy(PROMPTS[0]))
+        with pytest.raises(EngineProcessError):
+            _ = engine.latest_stats
     finally:
         engine.shutdown()
 

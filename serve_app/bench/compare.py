@@ -85,7 +85,8 @@ def _run_worker(
         "--prompts", str(prompt_file), "--max-tokens", str(args.max_tokens), "--out", str(out),
         "--single-client-prompts", str(args.single_client_prompts), "--concurrency", *map(str, concurrency),
     ]
-    print(f"running {system} at concurrency {','.join(map(str, concurrency))} ...", flush=True)
+    levels = f" at concurrency {','.join(map(str, concurrency))}" if system == "engine" else ""
+    print(f"running {system}{levels} ...", flush=True)
     subprocess.run(command, check=True)
     data = json.loads(out.read_text())
     return [BenchRow(**row) for row in data["rows"]], data["tokens"]
@@ -95,7 +96,7 @@ def _run_http(prompts: list[list[int]], concurrency: list[int], args: argparse.N
     from serve_app.bench.servers import ServeRun
     from serve_app.bench.systems import run_http
 
-    print("starting serve run ...", flush=True)
+    print(f"starting serve run for concurrency {','.join(map(str, concurrency))} ...", flush=True)
     server = ServeRun(tmp, args={"max_model_len": 2048})
     peak = [server.rss_mb()]
     stop = threading.Event()
