@@ -3,7 +3,7 @@
 Each in-process system runs in a fresh subprocess (its own memory peak, no shared state); the
 HTTP system is a real `serve run` loaded by an async OpenAI client from this process. The engine
 and HTTP runs alternate by concurrency (`plan_runs`), and the host's matmul rate is measured
-before every run, because a shared host's speed drifts (here by up to a fifth within half an hour).
+before every run, because a shared host's speed drifts (here 150-296 GFLOP/s within one run).
 """
 
 from __future__ import annotations
