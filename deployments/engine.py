@@ -55,9 +55,9 @@ class EngineDeployment:
     def count_tokens(self, request: GenerateRequest) -> int:
         return count_tokens(self.engine, request)
 
-    # The KV calls wait for the scheduler thread: run them off the replica's event loop.
+    # The KV calls wait for the engine process's answer: run them off the replica's event loop.
     async def kv_config(self) -> dict[str, Any] | RequestRefused:
-        return self.kv.config()
+        return await asyncio.to_thread(self.kv.config)
 
     async def kv_lookup(self, tokens: list[int], cache_salt: str) -> int | RequestRefused:
         return await asyncio.to_thread(self.kv.lookup, tokens, cache_salt)
