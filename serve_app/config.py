@@ -30,6 +30,10 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, ge=2, description="context limit; defaults to the model's")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; defaults to every core")
+    decode_attention: Literal["auto", "torch"] = Field(
+        "auto",
+        description="auto: the paged C kernel on CPU with float32 where it builds, else torch; torch: gather + SDPA",
+    )
     cache_dir: Path = Field(default_factory=default_cache_dir)
 
 
@@ -64,6 +68,7 @@ _FLAT_KEYS: dict[str, tuple[str, str]] = {
     "dtype": ("model", "dtype"),
     "max_model_len": ("model", "max_model_len"),
     "num_threads": ("model", "num_threads"),
+    "decode_attention": ("model", "decode_attention"),
     "cache_dir": ("model", "cache_dir"),
     "kv_cache": ("cache", "kind"),
     "page_size": ("cache", "page_size"),

@@ -19,7 +19,8 @@ from typing import TypeVar
 import torch
 
 from serve_app.config import SchedulerConfig
-from serve_app.kv.base import BatchEntry, KVCache
+from serve_app.kv.base import KVCache
+from serve_app.kv.view import BatchEntry
 from serve_app.model.runner import ForwardBatch, ModelRunner
 from serve_app.request import StreamDelta, TokenLogprob
 from serve_app.sampling import SamplingBatch, SamplingPipeline

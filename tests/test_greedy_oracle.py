@@ -18,12 +18,17 @@ CACHES = {
     "contiguous": dict(kv_cache="contiguous", cache_tokens=8 * 1024, max_model_len=1024),
     "paged-16": dict(kv_cache="paged", page_size=16, cache_tokens=8192, max_model_len=2048),
     "paged-7": dict(kv_cache="paged", page_size=7, cache_tokens=8190, max_model_len=2048),
+    "paged-16-torch-decode": dict(
+        kv_cache="paged", page_size=16, cache_tokens=8192, max_model_len=2048, decode_attention="torch"
+    ),
 }
 
 
 @pytest.fixture(scope="module", params=list(CACHES))
 def oracle_engine(request: pytest.FixtureRequest, model_path: Path) -> Iterator[InferenceEngine]:
     eng = InferenceEngine(model=str(model_path), max_num_batched_tokens=256, **CACHES[request.param])
+    # The paged decode kernel runs wherever it is not turned off (this CPU, float32, a C compiler).
+    assert (eng.runner.decode_kernel is None) == request.param.endswith("torch-decode")
     yield eng
     eng.shutdown()
 

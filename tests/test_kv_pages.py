@@ -135,12 +135,13 @@ def test_view_reads_back_what_it_wrote(kind: str) -> None:
     view = cache.view(decode)
     k_new, v_new = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
     view.write(0, k_new, v_new)
-    ctx_k, ctx_v = view.context(0, 0)
+    (group,) = view.decode_groups
+    ctx_k, ctx_v = view.context(0, group)
     assert ctx_k.shape == (2, 2, 11, 4)
     assert torch.equal(ctx_k[0, :, :7], k[10:].transpose(0, 1))
     assert torch.equal(ctx_k[0, :, 7], k_new[0])
     assert torch.equal(ctx_v[1, :, :10], v[:10].transpose(0, 1))
     assert torch.equal(ctx_v[1, :, 10], v_new[1])
-    mask = view.groups[0].mask
+    mask = group.mask
     assert mask[0, 0, 0].tolist() == [True] * 8 + [False] * 3
     assert mask[1, 0, 0].all()

@@ -1,9 +1,10 @@
 """KV caches: the `KVCache` interface, `ContiguousCache` and the paged `PageCache`."""
 
-from serve_app.kv.base import BatchEntry, CacheUsage, KVCache, KVCacheView
+from serve_app.kv.base import CacheUsage, KVCache
 from serve_app.kv.contiguous import ContiguousCache, ContiguousCacheView
 from serve_app.kv.page_cache import PageCache, PageCacheView
 from serve_app.kv.storage import KVShape, Storage
+from serve_app.kv.view import BatchEntry, KVCacheView
 
 __all__ = [
     "BatchEntry",

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from serve_app.kv.base import BatchEntry, CacheUsage, KVCache, KVCacheView
+from serve_app.kv.base import CacheUsage, KVCache
 from serve_app.kv.storage import KVShape, Storage
+from serve_app.kv.view import BatchEntry, KVCacheView
 
 _BLOCK_LEN = 16
 

@@ -6,11 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from serve_app.kv.base import BatchEntry, CacheUsage, KVCache, KVCacheView
+from serve_app.kv.base import CacheUsage, KVCache
 from serve_app.kv.page_pool import PagePool
 from serve_app.kv.prefix_cache import chain_hash
 from serve_app.kv.storage import KVShape, Storage
 from serve_app.kv.task_table import TaskPages, TaskTable
+from serve_app.kv.view import BatchEntry, KVCacheView
 
 _ADMISSION_RESERVE = 0.01
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.config import ModelConfig
-from serve_app.kv.base import BatchEntry, KVCacheView
+from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.kv.storage import KVShape
 from serve_app.model.attention import register_attention
+from serve_app.model.decode_kernel import load_decode_kernel
 from serve_app.model.loader import resolve_model_path
 from serve_app.model.tokenizer import Tokenizer
 
@@ -80,6 +81,9 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.vocab_size = int(text_config.vocab_size)
+        self.decode_kernel = (
+            load_decode_kernel(config.cache_dir, self.device, self.dtype) if config.decode_attention == "auto" else None
+        )
         logger.info("loaded %s on %s (%s)", self.path, self.device, self.dtype)
 
     def rotary(self) -> tuple[str, float | None, torch.Tensor]:
@@ -108,5 +112,6 @@ class ModelRunner:
             use_cache=False,
             logits_to_keep=keep,
             kv_view=view,
+            decode_kernel=self.decode_kernel,
         )
         return output.logits[0].float()

@@ -1,0 +1,180 @@
+"""`KVCacheView`: one step's reads and writes of the cache, as the attention function sees them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from serve_app.kv.storage import Storage
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One task's share of a forward: `num_new` tokens at positions `start .. start + num_new - 1`."""
+
+    task_id: int
+    start: int
+    num_new: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The step's decode rows (the first `num_seqs` rows of the batch), one new token each.
+
+    `block_tables` [S, max_blocks] lists each sequence's storage blocks in order (padded with
+    block 0); `context_lens` [S] is how many tokens each one attends to, its new token included.
+    """
+
+    num_seqs: int
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+@dataclass
+class AttentionGroup:
+    """Rows of the packed batch whose attention runs as one SDPA call over a gathered context.
+
+    `blocks` [S, n_blocks] indexes storage blocks; the gathered context is cut to `context_len`.
+    `mask` [S, 1, q_len, context_len] is True where a query may attend; None means plain causal.
+    `context_is_new` says the context is exactly these rows' own k/v (a prefill from position
+    0), so it needs no gather.
+    """
+
+    rows: slice
+    num_seqs: int
+    q_len: int
+    blocks: torch.Tensor
+    context_len: int
+    mask: torch.Tensor | None
+    context_is_new: bool = False
+
+
+class KVCacheView:
+    """Where one step writes its new k/v, and what each row attends to.
+
+    Decode rows (one new token each) come first and are described once, by `decode`: a paged
+    kernel reads their context in place. For the torch path, `decode_groups` splits them into
+    groups of similar context length, so that little padding is gathered and attended over.
+    Each prefill chunk is a group of its own. Gathers go into buffers allocated once per step
+    and reused by every layer.
+    """
+
+    def __init__(self, storage: Storage, entries: Sequence[BatchEntry], block_tables: Sequence[Sequence[int]]) -> None:
+        self.storage = storage
+        block_len = storage.block_len
+        self.write_slots = torch.tensor(
+            [
+                block_tables[i][pos // block_len] * block_len + pos % block_len
+                for i, entry in enumerate(entries)
+                for pos in range(entry.start, entry.end)
+            ],
+            dtype=torch.long,
+            device=storage.device,
+        )
+        num_decode = sum(1 for entry in entries if entry.num_new == 1)
+        if any(entry.num_new != 1 for entry in entries[:num_decode]):
+            raise ValueError("decode entries must come first in the batch")
+        self._decode_lengths = [entry.end for entry in entries[:num_decode]]
+        self.decode = self._decode_rows(block_tables[:num_decode]) if num_decode else None
+        self._decode_groups: list[AttentionGroup] | None = None
+        self.prefill_groups: list[AttentionGroup] = []
+        row = num_decode
+        for entry, table in zip(entries[num_decode:], block_tables[num_decode:]):
+            self.prefill_groups.append(self._prefill_group(row, entry, table))
+            row += entry.num_new
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _decode_rows(self, tables: Sequence[Sequence[int]]) -> DecodeRows:
+        n_blocks = -(-max(self._decode_lengths) // self.storage.block_len)
+        padded = [list(t[:n_blocks]) + [0] * (n_blocks - min(len(t), n_blocks)) for t in tables]
+        device = self.storage.device
+        return DecodeRows(
+            num_seqs=len(tables),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            context_lens=torch.tensor(self._decode_lengths, dtype=torch.long, device=device),
+        )
+
+    @property
+    def decode_groups(self) -> list[AttentionGroup]:
+        """The decode rows as SDPA groups of similar context length (longest first), for the torch path."""
+        if self._decode_groups is None:
+            self._decode_groups = [
+                self._decode_group(start, stop) for start, stop in _length_buckets(self._decode_lengths)
+            ]
+        return self._decode_groups
+
+    def _decode_group(self, start: int, stop: int) -> AttentionGroup:
+        assert self.decode is not None
+        lengths = self.decode.context_lens[start:stop]
+        context_len = max(self._decode_lengths[start:stop])
+        n_blocks = -(-context_len // self.storage.block_len)
+        mask = torch.arange(context_len, device=self.storage.device)[None, :] < lengths[:, None]
+        return AttentionGroup(
+            rows=slice(start, stop),
+            num_seqs=stop - start,
+            q_len=1,
+            blocks=self.decode.block_tables[start:stop, :n_blocks],
+            context_len=context_len,
+            mask=mask[:, None, None, :],
+        )
+
+    def _prefill_group(self, row: int, entry: BatchEntry, table: Sequence[int]) -> AttentionGroup:
+        device = self.storage.device
+        n_blocks = -(-entry.end // self.storage.block_len)
+        blocks = torch.tensor([list(table[:n_blocks])], dtype=torch.long, device=device)
+        mask = None
+        if entry.start > 0:
+            query_pos = torch.arange(entry.start, entry.end, device=device)
+            mask = (torch.arange(entry.end, device=device)[None, :] <= query_pos[:, None])[None, None]
+        return AttentionGroup(
+            rows=slice(row, row + entry.num_new),
+            num_seqs=1,
+            q_len=entry.num_new,
+            blocks=blocks,
+            context_len=entry.end,
+            mask=mask,
+            context_is_new=entry.start == 0,
+        )
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the new tokens' k/v ([T, n_kv_heads, head_dim], post-RoPE) in their slots."""
+        self.storage.flat_k(layer).index_copy_(0, self.write_slots, key)
+        self.storage.flat_v(layer).index_copy_(0, self.write_slots, value)
+
+    def context(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's context k and v, gathered, as [S, n_kv_heads, context_len, head_dim] views."""
+        k_buf, v_buf = self._buffer(group)
+        flat_blocks = group.blocks.reshape(-1)
+        torch.index_select(self.storage.k[layer], 0, flat_blocks, out=k_buf)
+        torch.index_select(self.storage.v[layer], 0, flat_blocks, out=v_buf)
+        shape = (group.num_seqs, -1, self.storage.n_kv_heads, self.storage.head_dim)
+        k = k_buf.view(shape)[:, : group.context_len].transpose(1, 2)
+        v = v_buf.view(shape)[:, : group.context_len].transpose(1, 2)
+        return k, v
+
+    def _buffer(self, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        key = group.rows.start  # groups never share rows
+        if key not in self._buffers:
+            shape = (group.blocks.numel(), *self.storage.k.shape[2:])
+            self._buffers[key] = (
+                torch.empty(shape, dtype=self.storage.dtype, device=self.storage.device),
+                torch.empty(shape, dtype=self.storage.dtype, device=self.storage.device),
+            )
+        return self._buffers[key]
+
+
+def _length_buckets(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Split consecutive context lengths (longest first) into runs whose shortest is at least half the longest."""
+    buckets: list[tuple[int, int]] = []
+    start = 0
+    for index in range(1, len(lengths) + 1):
+        if index == len(lengths) or lengths[index] * 2 < lengths[start]:
+            buckets.append((start, index))
+            start = index
+    return buckets
