@@ -89,6 +89,14 @@ def test_without_a_compiler_the_torch_path_runs(tmp_path: Path, monkeypatch, cap
     assert not (tmp_path / "kernels").exists()
 
 
+def test_an_unwritable_cache_dir_means_the_torch_path(tmp_path: Path, caplog) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger="serve_app.model.decode_kernel"):
+        assert load_decode_kernel(blocker, CPU, torch.float32) is None
+    assert "cannot build into" in caplog.text
+
+
 def test_the_kernel_applies_to_float32_on_cpu_only(tmp_path: Path) -> None:
     assert load_decode_kernel(tmp_path, torch.device("cuda"), torch.float32) is None
     assert load_decode_kernel(tmp_path, CPU, torch.bfloat16) is None

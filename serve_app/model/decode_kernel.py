@@ -106,19 +106,26 @@ def build_decode_kernel(cache_dir: Path) -> DecodeKernel:
     compiler = _compiler()
     target = Path(cache_dir) / "kernels" / f"paged_decode-{_build_key(compiler)}.so"
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True, check=False
-            )
-            if result.returncode != 0:
-                raise KernelBuildError(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr.strip()}")
-            os.replace(built, target)  # atomic: concurrent builders each install a whole file
+        try:
+            _compile(compiler, target)
+        except OSError as error:  # e.g. a read-only cache directory
+            raise KernelBuildError(f"cannot build into {target.parent}: {error}") from error
     try:
         return DecodeKernel(target)
     except OSError as error:
         raise KernelBuildError(f"cannot load {target}: {error}") from error
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            raise KernelBuildError(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr.strip()}")
+        os.replace(built, target)  # atomic: concurrent builders each install a whole file
 
 
 def load_decode_kernel(cache_dir: Path, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:
