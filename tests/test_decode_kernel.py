@@ -24,9 +24,9 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> DecodeKernel:
 def _filled_cache(shape: KVShape, page_size: int, lengths: list[int]) -> PageCache:
     """A page cache whose tasks 0..N-1 hold `lengths` tokens of random k/v in every layer."""
     cache = PageCache(shape, num_tokens=4096, page_size=page_size, device=CPU, enable_prefix_caching=False)
-    # Interleave the tasks' pages so that no task's pages are contiguous.
     for task in range(len(lengths)):
-        assert cache.admit(task, [task] * 1, "") == 0
+        assert cache.admit(task, [task], "") == 0
+    # Grow the tasks a token at a time, in turn, so that no task's pages are contiguous.
     for step in range(max(lengths)):
         for task, length in enumerate(lengths):
             if step < length:
