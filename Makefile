@@ -7,11 +7,16 @@ STAMP := $(VENV)/.installed
 export SERVE_APP_CACHE_DIR ?= $(CURDIR)/.cache/serve-app
 # Ray's workers (the engine replica too) otherwise run at niceness 15; Serve's throughput mode
 # (user code and routers on each replica's main loop, gRPC between replicas) without its direct
-# ingress, so HTTP stays on the one port of serve_config.yaml; the Serve controller's loop at 1 s
-# instead of 0.1 s: see README, Configuration and scale.
+# ingress, so HTTP stays on the one port of serve_config.yaml, except that on Linux HAProxy (the
+# binary `ray[serve]` installs) serves that port and forwards to the ingress's own HTTP server
+# (HAProxy mode turns direct ingress on itself); the Serve controller's loop at 1 s instead of
+# 0.1 s: see README, Configuration and scale.
 export RAY_worker_niceness ?= 0
 export RAY_SERVE_THROUGHPUT_OPTIMIZED ?= 1
 export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
+ifeq ($(shell uname -s),Linux)
+export RAY_SERVE_ENABLE_HA_PROXY ?= 1
+endif
 export RAY_SERVE_CONTROL_LOOP_INTERVAL_S ?= 1.0
 PYTEST_ARGS ?=
 

@@ -58,6 +58,18 @@ def test_health_models_and_config(served: ServeRun) -> None:
     assert _stats(served)["kv_pages_total"] == 8192 // 16
 
 
+def test_haproxy_serves_the_port_and_forwards_to_the_ingress(served: ServeRun) -> None:
+    """HTTP reaches the ingress replica through HAProxy (installed by `ray[serve]` on Linux)."""
+    assert served.env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+    stats_port = served.env["RAY_SERVE_HAPROXY_STATS_PORT"]
+    csv = httpx.get(f"http://127.0.0.1:{stats_port}/stats;csv", timeout=10).text
+    # Columns 7 and 17 of HAProxy's CSV: sessions so far, and the server's status.
+    ingress = [line.split(",") for line in csv.splitlines() if line.startswith("http-llm,SERVE_REPLICA_llm-Ingress")]
+    assert ingress and all(row[17] == "UP" for row in ingress)
+    assert sum(int(row[7]) for row in ingress) >= 1
+
+
 def test_chat_multi_turn_with_system_prompt(oai: openai.OpenAI, engine: InferenceEngine) -> None:
     messages = [
         {"role": "system", "content": "You are a geography teacher."},

