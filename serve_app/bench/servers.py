@@ -55,6 +55,31 @@ def serve_env() -> dict[str, str]:
     return {**SERVE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "1", **{name: str(free_port()) for name in HAPROXY_PORTS}}
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, so that `serve run` shuts Serve down
+    on it even when this process was started with SIGINT ignored (`nohup ... &`)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def kill_haproxy_listening_on(port: int) -> int:
+    """End every HAProxy listening on `port`; how many there were. Serve stops its HAProxy on
+    shutdown, but one that its graceful reloads started outlives a `serve run` killed without it."""
+    import psutil
+
+    killed = 0
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] != "haproxy":
+            continue
+        try:
+            if any(conn.status == psutil.CONN_LISTEN and conn.laddr.port == port for conn in proc.net_connections("tcp")):
+                proc.kill()
+                proc.wait(timeout=10)
+                killed += 1
+        except psutil.NoSuchProcess:
+            continue
+    return killed
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -84,6 +109,7 @@ class ServeRun:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_default_sigint,
             env={**os.environ, "RAY_DEDUP_LOGS": "0", **self.env},
         )
         self.wait_ready(timeout)
@@ -130,4 +156,5 @@ class ServeRun:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=30)
+        kill_haproxy_listening_on(self.port)
         self._log.close()
