@@ -96,8 +96,8 @@ def two_haproxies(tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen, subpr
         proc.wait()
 
 
-def test_a_stopped_runs_leftover_haproxy_is_ended(two_haproxies: tuple[int, subprocess.Popen, subprocess.Popen]) -> None:
-    """`ServeRun.stop` ends an HAProxy still on its port (the real binary), and only that one."""
+def test_kill_haproxy_ends_only_the_one_on_the_port(two_haproxies: tuple[int, subprocess.Popen, subprocess.Popen]) -> None:
+    """What `ServeRun.stop` calls last ends a real HAProxy left on the run's port, and no other."""
     port, ours, other = two_haproxies
     assert kill_haproxy_listening_on(port) == 1
     ours.wait(timeout=10)
