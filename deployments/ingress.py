@@ -1,4 +1,4 @@
-"""Ingress: the HTTP API (serve_app.server) with an engine client made of Ray Serve handles."""
+"""Ingress: the HTTP API (serve_app.http.app) with an engine client made of Ray Serve handles."""
 
 from __future__ import annotations
 
@@ -8,19 +8,23 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import torch
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
-from serve_app.protocols.base import EngineClient, ModelInfo
-from serve_app.kv.transfer import StoreResult
-from serve_app.protocols.engine_client import deltas_from_events, unwrap
-from serve_app.protocols.errors import ProtocolError
-from serve_app.request import GenerateRequest, StreamDelta
-from serve_app.server import ServerContext, create_api
-from serve_app.tenants import TenantDirectory
+from serve_app.engine.calls import EngineCall
+from serve_app.engine.request import GenerateRequest, StreamDelta
+from serve_app.http.app import create_api
+from serve_app.http.context import ServerContext
+from serve_app.http.engine_client import (
+    EngineClient,
+    ModelInfo,
+    deltas_from_events,
+    unwrap,
+)
+from serve_app.http.protocols.errors import ProtocolError
+from serve_app.http.tenants import TenantDirectory
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +33,12 @@ READY_TTL_S = 0.5
 
 
 class RayEngineClient(EngineClient):
-    """Generation streams from the engine deployment; readiness, model info and stats from the board."""
+    """Generation streams and calls from the engine deployment; readiness, model info and stats from the board."""
 
     def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle) -> None:
-        self._engine = engine
         self._stream = engine.options(stream=True)
         # KV tensors (hundreds of MB) go through Ray's object store, not a replica's gRPC message limit.
-        self._kv = engine.options(_by_reference=True)
+        self._calls = engine.options(_by_reference=True)
         self._board = stats_board
         self._info: ModelInfo | None = None
         self._ready = False
@@ -60,8 +63,8 @@ class RayEngineClient(EngineClient):
         finally:
             events.cancel()
 
-    async def count_tokens(self, request: GenerateRequest) -> int:
-        return await self._engine.count_tokens.remote(request)
+    async def ask(self, call: EngineCall) -> Any:
+        return unwrap(await self._calls.ask.remote(call))
 
     async def model_info(self) -> ModelInfo:
         if self._info is None and not await self.ready():
@@ -92,18 +95,6 @@ class RayEngineClient(EngineClient):
             logger.warning("could not read readiness from the stats board", exc_info=True)
         finally:
             self._refreshing = None
-
-    async def kv_config(self) -> dict[str, Any]:
-        return unwrap(await self._kv.kv_config.remote())
-
-    async def kv_lookup(self, tokens: list[int], cache_salt: str) -> int:
-        return unwrap(await self._kv.kv_lookup.remote(tokens, cache_salt))
-
-    async def kv_retrieve(self, tokens: list[int], cache_salt: str) -> torch.Tensor | None:
-        return unwrap(await self._kv.kv_retrieve.remote(tokens, cache_salt))
-
-    async def kv_store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str) -> StoreResult:
-        return unwrap(await self._kv.kv_store.remote(kv, tokens, cache_salt))
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})

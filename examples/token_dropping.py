@@ -20,7 +20,15 @@ import torch
 
 from serve_app.bench.prompts import long_passage
 from serve_app.config import DEFAULT_MODEL, default_cache_dir
-from serve_app.kvsdk import BatchedStream, KVConfig, Metrics, connect, create_request, make_post_completion, rerotate_k
+from serve_app.kvsdk import (
+    BatchedStream,
+    KVConfig,
+    Metrics,
+    connect,
+    create_request,
+    make_post_completion,
+    rerotate_k,
+)
 from serve_app.model.loader import resolve_model_path
 from serve_app.model.tokenizer import Tokenizer
 

@@ -1,17 +1,31 @@
-"""serve_app: an LLM inference engine with a paged KV cache and continuous batching, served by Ray Serve."""
+"""serve_app: an LLM inference engine with a paged KV cache and continuous batching, served by Ray Serve.
 
-from serve_app.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from serve_app.engine import InferenceEngine
-from serve_app.request import GenerateRequest, GenerateResult, StreamDelta, Usage
+The names below load on first use, so that importing a part of the package (the HTTP layer in
+an ingress replica) does not load torch and the model code.
+"""
 
-__all__ = [
-    "CacheConfig",
-    "EngineConfig",
-    "GenerateRequest",
-    "GenerateResult",
-    "InferenceEngine",
-    "ModelConfig",
-    "SchedulerConfig",
-    "StreamDelta",
-    "Usage",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CacheConfig": "serve_app.config",
+    "EngineConfig": "serve_app.config",
+    "ModelConfig": "serve_app.config",
+    "SchedulerConfig": "serve_app.config",
+    "InferenceEngine": "serve_app.engine.engine",
+    "GenerateRequest": "serve_app.engine.request",
+    "GenerateResult": "serve_app.engine.request",
+    "SamplingParams": "serve_app.engine.sampling_params",
+    "StreamDelta": "serve_app.engine.request",
+    "Usage": "serve_app.engine.request",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'serve_app' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

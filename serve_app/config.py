@@ -54,12 +54,17 @@ class CacheConfig(_Strict):
         return DEFAULT_CACHE_TOKENS
 
 
-
 class SchedulerConfig(_Strict):
     """Limits of the continuous-batching loop."""
 
     max_num_seqs: int = Field(128, ge=1, description="running tasks at most")
     max_num_batched_tokens: int = Field(512, ge=1, description="tokens in one forward at most")
+    max_waiting_requests: int = Field(1024, ge=1, description="requests waiting for admission at most; more are refused")
+    max_pending_calls: int = Field(16, ge=1, description="KV and other calls waiting for the scheduler at most")
+    call_timeout_s: float = Field(60.0, gt=0, description="a call not taken by the scheduler in this time is dropped")
+    max_consecutive_failed_steps: int = Field(
+        3, ge=1, description="steps in a row that fail every request before the engine reports itself unhealthy"
+    )
 
 
 _FLAT_KEYS: dict[str, tuple[str, str]] = {
@@ -77,6 +82,10 @@ _FLAT_KEYS: dict[str, tuple[str, str]] = {
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "max_waiting_requests": ("scheduler", "max_waiting_requests"),
+    "max_pending_calls": ("scheduler", "max_pending_calls"),
+    "call_timeout_s": ("scheduler", "call_timeout_s"),
+    "max_consecutive_failed_steps": ("scheduler", "max_consecutive_failed_steps"),
 }
 
 

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from serve_app.bench.idle import wait_idle
+from serve_app.bench.servers import ServeRun
 from serve_app.config import DEFAULT_MODEL, default_cache_dir
-from serve_app.engine import InferenceEngine
+from serve_app.engine.engine import InferenceEngine
 from serve_app.model.loader import resolve_model_path
 from tests.references import ReferenceModel
+from tests.served import ForeignRayCluster
 from tests.tiny_models import build_tiny_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -40,13 +42,6 @@ def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory, model_path: Path) 
     return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=model_path)
 
 
-def assert_no_leak(engine: InferenceEngine, free_before: int) -> None:
-    """Every page (or slot) handed out has come back once the engine is idle."""
-    stats = engine.get_stats()
-    assert stats["active_tasks"] == 0 and stats["waiting_queue"] == 0, stats
-    assert stats["kv_pages_free"] == free_before, stats
-
-
 @pytest.fixture(scope="module")
 def engine(model_path: Path) -> Iterator[InferenceEngine]:
     """The default model on a paged cache with 16-token pages."""
@@ -57,22 +52,29 @@ def engine(model_path: Path) -> Iterator[InferenceEngine]:
 
 @pytest.fixture(autouse=True)
 def _engine_returns_every_page(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After any test that used the shared `engine`, its free pages are back at their starting value."""
+    """After any test that used the shared `engine`, it is idle with every page back, as it was before."""
     if "engine" not in request.fixturenames:
         yield
         return
     eng: InferenceEngine = request.getfixturevalue("engine")
-    before = eng.get_stats()["kv_pages_free"]
+    wait_idle(eng.get_stats)
     yield
-    wait_idle(eng)
-    assert_no_leak(eng, before)
+    wait_idle(eng.get_stats)
 
 
-def wait_idle(engine: InferenceEngine, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = engine.get_stats()
-        if stats["active_tasks"] == 0 and stats["waiting_queue"] == 0:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"engine still busy after {timeout} s: {engine.get_stats()}")
+@pytest.fixture(scope="session")
+def foreign_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForeignRayCluster]:
+    """A Ray cluster running on the machine, named by RAY_ADDRESS, while the shared `serve run` starts."""
+    cluster = ForeignRayCluster(tmp_path_factory.mktemp("foreign-ray") / "ray.log")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory: pytest.TempPathFactory, foreign_ray: ForeignRayCluster) -> Iterator[ServeRun]:
+    """The project's `serve run serve_config.yaml` on a free port, shared by every end-to-end test."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_ADDRESS", foreign_ray.address)  # a user's shell pointing at their cluster
+        run = ServeRun(tmp_path_factory.mktemp("serve"), args={"cache_tokens": 8192, "max_model_len": 2048})
+    yield run
+    run.stop()

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from serve_app.bench.servers import free_port
+from serve_app.config import ServerConfig
+from serve_app.engine.engine import InferenceEngine
+from serve_app.http.app import create_api
+from serve_app.http.context import ServerContext
+from serve_app.http.engine_client import LocalEngineClient
+from serve_app.http.tenants import TenantDirectory
+
+MODEL = "smollm2-135m-instruct"
 
 
 class InProcessServer:
@@ -14,6 +24,7 @@ class InProcessServer:
     def __init__(self, app) -> None:
         import uvicorn
 
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -25,6 +36,28 @@ class InProcessServer:
                 raise RuntimeError("uvicorn did not start")
             time.sleep(0.02)
 
+    @property
+    def context(self) -> ServerContext:
+        return self.app.state.context
+
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+
+@contextmanager
+def engine_server(
+    engine: InferenceEngine,
+    config: ServerConfig | None = None,
+    tenants: TenantDirectory | None = None,
+    client: type[LocalEngineClient] = LocalEngineClient,
+) -> Iterator[InProcessServer]:
+    """The server's HTTP app over an in-process engine (served as MODEL), stopped on leaving."""
+    context = ServerContext(client(engine, MODEL), config or ServerConfig())
+    if tenants is not None:
+        context.tenants = tenants
+    server = InProcessServer(create_api(context))
+    try:
+        yield server
+    finally:
+        server.stop()

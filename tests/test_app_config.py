@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.app import build_app
+from deployments.app import build_app
 from serve_app.config import AppConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +19,7 @@ def test_serve_config_yaml_is_a_serve_config_whose_args_validate() -> None:
     raw = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     schema = ServeDeploySchema.model_validate(raw)
     app = schema.applications[0]
-    assert app.import_path == "serve_app.app:build_app" and app.route_prefix == "/"
+    assert app.import_path == "deployments.app:build_app" and app.route_prefix == "/"
     engine = next(d for d in app.deployments if d.name == "EngineDeployment")
     assert engine.autoscaling_config["min_replicas"] == 1
     config = AppConfig.from_args(app.args)

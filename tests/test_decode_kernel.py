@@ -11,7 +11,11 @@ import torch.nn.functional as F
 
 from serve_app.kv import BatchEntry, PageCache
 from serve_app.kv.storage import KVShape
-from serve_app.model.decode_kernel import DecodeKernel, build_decode_kernel, load_decode_kernel
+from serve_app.model.decode_kernel import (
+    DecodeKernel,
+    build_decode_kernel,
+    load_decode_kernel,
+)
 
 CPU = torch.device("cpu")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from serve_app import EngineConfig, GenerateRequest, InferenceEngine
+from serve_app.bench.idle import wait_idle
 from serve_app.model.loader import ModelNotFoundError
 
 GREEDY = dict(max_tokens=12, temperature=0)
@@ -63,14 +64,14 @@ def test_chat_request_uses_the_template_with_system_and_turns(engine: InferenceE
 
 
 def test_closing_a_stream_cancels_the_task(engine: InferenceEngine) -> None:
+    before = engine.get_stats()
     stream = engine.generate("Tell me a very long story:", stream=True, max_tokens=500, ignore_eos=True)
     next(stream)
     next(stream)
     stream.close()
-    deadline = time.monotonic() + 10
-    while engine.get_stats()["active_tasks"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.get_stats()["active_tasks"] == 0
+    after = wait_idle(engine.get_stats, timeout=10)
+    assert after["total_tasks"] == before["total_tasks"] + 1
+    assert after["total_tokens"] - before["total_tokens"] < 500  # cut short, not run to max_tokens
 
 
 def test_abort_by_task_id(engine: InferenceEngine) -> None:
@@ -83,6 +84,8 @@ def test_abort_by_task_id(engine: InferenceEngine) -> None:
 
 
 def test_async_consumer_that_stops_early_cancels(engine: InferenceEngine) -> None:
+    before = engine.get_stats()
+
     async def take_two() -> None:
         agen = engine.generate_async("A list of numbers:", max_tokens=400, ignore_eos=True)
         count = 0
@@ -93,10 +96,9 @@ def test_async_consumer_that_stops_early_cancels(engine: InferenceEngine) -> Non
         await agen.aclose()
 
     asyncio.run(take_two())
-    deadline = time.monotonic() + 10
-    while engine.get_stats()["active_tasks"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.get_stats()["active_tasks"] == 0
+    after = wait_idle(engine.get_stats, timeout=10)
+    assert after["total_tasks"] == before["total_tasks"] + 1
+    assert after["total_tokens"] - before["total_tokens"] < 400  # cut short, not run to max_tokens
 
 
 @pytest.mark.parametrize(
@@ -130,14 +132,24 @@ def test_too_long_prompt_names_the_prompt(engine: InferenceEngine) -> None:
         engine.generate([5] * 2048, max_tokens=1)
 
 
-def test_stats_have_the_documented_keys(engine: InferenceEngine) -> None:
-    stats = engine.get_stats()
-    for key in (
-        "total_tasks", "total_tokens", "active_tasks", "waiting_queue",
-        "kv_pages_total", "kv_pages_free", "prefix_cache_hit_tokens", "preemptions",
-    ):
-        assert isinstance(stats[key], int), key
-    assert stats["kv_pages_total"] == 8192 // 16
+def test_stats_count_what_the_engine_did(engine: InferenceEngine) -> None:
+    before = engine.get_stats()
+    assert before["kv_pages_total"] == 8192 // 16 and before["kv_pages_free"] == before["kv_pages_total"]
+    assert before["active_tasks"] == 0 and before["waiting_queue"] == 0
+    prompt = engine.tokenizer.encode("Stats are counted here. " * 6)  # more than two full pages
+    first = engine.submit(GenerateRequest(prompt=prompt, max_tokens=5, ignore_eos=True, temperature=0)).wait(60)
+    running = engine.get_stats()
+    second = engine.submit(GenerateRequest(prompt=prompt, max_tokens=3, ignore_eos=True, temperature=0))
+    second.wait(60)
+    after = wait_idle(engine.get_stats)
+    assert after["total_tasks"] - before["total_tasks"] == 2
+    assert after["total_tokens"] - before["total_tokens"] == 5 + 3
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 2 * len(prompt)
+    hits = (len(prompt) - 1) // 16 * 16  # the second finds the first's full pages, minus its last token's
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == hits == second.cached_tokens
+    assert after["prefill_tokens"] - before["prefill_tokens"] == 2 * len(prompt) - hits
+    assert after["steps"] > running["steps"] > before["steps"] and after["preemptions"] == before["preemptions"]
+    assert first.usage.prompt_tokens == len(prompt)
 
 
 def test_unknown_model_and_unknown_option_are_value_errors(tmp_path: Path) -> None:
@@ -155,6 +167,6 @@ def test_shutdown_cancels_unfinished_requests(tiny_llama_path: Path) -> None:
     while not result.token_ids:
         time.sleep(0.005)
     eng.shutdown()
-    assert result.wait(10).finish_reason == "cancelled"
+    assert result.wait(10).finish_reason == "cancelled" and len(result.token_ids) < 900
     with pytest.raises(RuntimeError, match="shut down"):
         eng.submit(GenerateRequest(prompt="late", max_tokens=1))

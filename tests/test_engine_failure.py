@@ -10,32 +10,14 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import httpx
 import psutil
-import pytest
 
 from serve_app.bench.servers import ServeRun
+from tests.served import engine_replica_pid
 
 MODEL = "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
-    run = ServeRun(tmp_path_factory.mktemp("serve-failure"), args={"cache_tokens": 4096, "max_model_len": 1024})
-    yield run
-    run.stop()
-
-
-def _engine_replica_pid(served: ServeRun) -> int:
-    for proc in psutil.Process(served.process.pid).children(recursive=True):
-        try:
-            if "ServeReplica:llm:EngineDeployment" in " ".join(proc.cmdline()):
-                return proc.pid
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError("no engine replica process found")
 
 
 def _wait_exited(process: psutil.Process, timeout: float) -> None:
@@ -75,8 +57,8 @@ def test_killed_engine_replica_fails_streams_then_comes_back(served: ServeRun) -
                 continue
             events.append(json.loads(line[6:]))
             if len(events) == 3 and not killed:
-                replica = psutil.Process(_engine_replica_pid(served))
-                engine_processes = [p for p in replica.children() if "serve_app.engine_child" in " ".join(p.cmdline())]
+                replica = psutil.Process(engine_replica_pid(served.process.pid))
+                engine_processes = [p for p in replica.children() if "serve_app.engine.child" in " ".join(p.cmdline())]
                 os.kill(replica.pid, signal.SIGKILL)
                 killed = True
     assert killed and "error" in events[-1], events[-3:]

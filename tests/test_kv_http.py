@@ -14,6 +14,9 @@ import torch
 
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.config import ServerConfig
+from serve_app.http.context import ServerContext
+from serve_app.http.protocols.kv import MEDIA_TYPE, encode_kv
+from serve_app.http.tenants import OPEN
 from serve_app.kvsdk import (
     BatchedStream,
     KVContext,
@@ -22,14 +25,9 @@ from serve_app.kvsdk import (
     create_request,
     make_post_completion,
 )
-from serve_app.protocols.engine_client import LocalEngineClient
-from serve_app.protocols.kv import MEDIA_TYPE, encode_kv
-from serve_app.server import ServerContext, create_api
-from serve_app.tenants import OPEN
-from tests.inprocess import InProcessServer
+from tests.inprocess import MODEL, InProcessServer, engine_server
 from tests.prompts import _PASSAGE
 
-MODEL = "smollm2-135m-instruct"
 CHUNK = 16
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -37,16 +35,14 @@ MAX_KV_BYTES = 16 * 2**20
 
 
 @pytest.fixture(scope="module")
-def context(engine: InferenceEngine) -> ServerContext:
-    config = ServerConfig(max_request_bytes=64 * 1024, max_kv_bytes=MAX_KV_BYTES)
-    return ServerContext(LocalEngineClient(engine, MODEL), config)
+def server(engine: InferenceEngine) -> Iterator[InProcessServer]:
+    with engine_server(engine, ServerConfig(max_request_bytes=64 * 1024, max_kv_bytes=MAX_KV_BYTES)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
-def server(context: ServerContext) -> Iterator[InProcessServer]:
-    srv = InProcessServer(create_api(context))
-    yield srv
-    srv.stop()
+def context(server: InProcessServer) -> ServerContext:
+    return server.context
 
 
 @pytest.fixture(scope="module")

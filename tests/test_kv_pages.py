@@ -9,6 +9,7 @@ from serve_app.kv import BatchEntry, ContiguousCache, KVShape, PageCache
 from serve_app.kv.allocator import Allocator
 from serve_app.kv.page_pool import PagePool
 from serve_app.kv.prefix_cache import PrefixCache, chain_hash
+from serve_app.kv.transfer import KVTransfer
 
 SHAPE = KVShape(n_layers=2, n_kv_heads=2, head_dim=4, dtype=torch.float32)
 CPU = torch.device("cpu")
@@ -103,6 +104,49 @@ def test_page_cache_refuses_admission_without_memory_and_takes_nothing() -> None
     assert cache.grow(1, 36) and not cache.grow(1, 41)
     cache.release(1)
     assert cache.usage().free == 10
+
+
+def test_under_eviction_pressure_a_cached_prefix_loses_its_tail_never_its_head() -> None:
+    cache = PageCache(SHAPE, num_tokens=40, page_size=4, device=CPU)  # 10 pages, 1 kept in reserve
+    prompt = list(range(100, 117))  # 4 full pages + 1 token
+    cache.admit(1, prompt, "")
+    cache.commit(1, prompt, len(prompt))
+    cache.release(1)  # 4 published pages become evictable, the fifth is free
+    free = cache.usage().free
+    for evicted in range(1, 5):
+        # A task that needs every never-used page and `evicted` cached ones.
+        other = list(range(500, 500 + 4 * (free - 4 + evicted)))
+        assert cache.admit(2, other[: 4 * (free - 5 + evicted)], "x") == 0
+        assert cache.grow(2, len(other))
+        matched, _ = cache.pool.match_prefix(prompt, "", max_pages=4)
+        assert len(matched) == 4 - evicted, f"after {evicted} evictions the prefix kept {len(matched)} pages"
+        cache.pool.release(matched)
+        cache.release(2)
+
+
+def test_a_store_that_fails_midway_gives_every_page_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = PageCache(SHAPE, num_tokens=64, page_size=4, device=CPU)
+    transfer = KVTransfer(cache, vocab_size=1000)
+    tokens = list(range(12))
+    kv = torch.randn(2, SHAPE.n_layers, 12, SHAPE.n_kv_heads * SHAPE.head_dim)
+    assert transfer.store(kv[:, :, :4], tokens[:4], "").stored_chunks == 1  # the first chunk is cached
+    free = cache.usage().free
+    publish = cache.pool.publish
+    published: list[int] = []
+
+    def publish_once(page: int, page_hash: bytes) -> None:
+        if published:
+            raise RuntimeError("injected copy failure")
+        published.append(page)
+        publish(page, page_hash)
+
+    monkeypatch.setattr(cache.pool, "publish", publish_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        transfer.store(kv, tokens, "")
+    assert cache.usage().free == free
+    assert all(cache.pool.allocator.refs(page) == 0 for page in range(cache.pool.n_pages))
+    monkeypatch.undo()
+    assert transfer.lookup(tokens, "") == 8  # what was stored before the failure is still cached
 
 
 def test_contiguous_cache_hands_out_slots() -> None:

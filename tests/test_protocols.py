@@ -10,14 +10,13 @@ import anthropic
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.config import ServerConfig
-from serve_app.protocols.engine_client import LocalEngineClient
-from serve_app.server import ServerContext, create_api
-from tests.inprocess import InProcessServer
+from serve_app.http.engine_client import LocalEngineClient
+from tests.inprocess import MODEL, InProcessServer, engine_server
 
-MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "Name three fruits."}]
 
 
@@ -30,10 +29,8 @@ class NotReadyClient(LocalEngineClient):
 
 @pytest.fixture(scope="module")
 def server(engine: InferenceEngine) -> Iterator[InProcessServer]:
-    context = ServerContext(LocalEngineClient(engine, MODEL), ServerConfig(max_request_bytes=64 * 1024))
-    srv = InProcessServer(create_api(context))
-    yield srv
-    srv.stop()
+    with engine_server(engine, ServerConfig(max_request_bytes=64 * 1024)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +207,7 @@ def test_models_and_health(server: InProcessServer, engine: InferenceEngine) -> 
 
 
 def test_not_ready_engine_answers_503(engine: InferenceEngine) -> None:
-    srv = InProcessServer(create_api(ServerContext(NotReadyClient(engine, MODEL))))
-    try:
+    with engine_server(engine, client=NotReadyClient) as srv:
         for path, body, check in [
             ("/v1/chat/completions", {"model": MODEL, "messages": CHAT}, lambda d: d["error"]["message"]),
             ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": CHAT}, lambda d: d["error"]["type"]),
@@ -219,22 +215,40 @@ def test_not_ready_engine_answers_503(engine: InferenceEngine) -> None:
             resp = httpx.post(f"{srv.url}{path}", json=body, timeout=10)
             assert resp.status_code == 503 and check(resp.json())
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 503
-    finally:
-        srv.stop()
 
 
-def test_stats_and_metrics(server: InProcessServer, oai: openai.OpenAI) -> None:
-    oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
-    stats = httpx.get(f"{server.url}/stats", timeout=10).json()
-    assert stats["total_tasks"] >= 1 and "kv_pages_free" in stats
+def _metrics(server: InProcessServer) -> dict[str, float]:
+    """Every sample of `/metrics` by name and labels, e.g. `serve_app_requests_total{finish_reason="length"}`."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for name in (
-        "serve_app_requests_total", "serve_app_prompt_tokens_total", "serve_app_generation_tokens_total",
-        "serve_app_time_to_first_token_seconds_bucket", "serve_app_time_per_output_token_seconds_bucket",
-        "serve_app_requests_running", "serve_app_requests_waiting", "serve_app_kv_cache_usage_ratio",
-        "serve_app_prefix_cache_hit_tokens_total",
-    ):
-        assert name in text, name
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def test_stats_and_metrics_count_a_request(server: InProcessServer, oai: openai.OpenAI, engine: InferenceEngine) -> None:
+    stats_before, before = httpx.get(f"{server.url}/stats", timeout=10).json(), _metrics(server)
+    reply = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    stats = httpx.get(f"{server.url}/stats", timeout=10).json()
+    assert stats["total_tasks"] - stats_before["total_tasks"] == 1
+    assert stats["total_tokens"] - stats_before["total_tokens"] == 4
+    assert stats["active_tasks"] == 0 and stats["kv_pages_total"] == engine.get_stats()["kv_pages_total"]
+    after = _metrics(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew('serve_app_requests_total{finish_reason="length"}') == 1
+    assert grew("serve_app_prompt_tokens_total") == reply.usage.prompt_tokens
+    assert grew("serve_app_generation_tokens_total") == 4
+    assert grew("serve_app_time_to_first_token_seconds_count") == 1
+    assert 1 <= grew("serve_app_time_per_output_token_seconds_count") <= 3  # a merged delta's tokens share one gap
+    assert after["serve_app_requests_running"] == 0 and after["serve_app_requests_waiting"] == 0
+    used = 1 - stats["kv_pages_free"] / stats["kv_pages_total"]
+    assert after["serve_app_kv_cache_usage_ratio"] == pytest.approx(used)
+    assert after["serve_app_prefix_cache_hit_tokens_total"] == stats["prefix_cache_hit_tokens"]
 
 
 def test_disconnect_mid_stream_cancels_and_frees(server: InProcessServer, engine: InferenceEngine) -> None:
@@ -250,3 +264,15 @@ def test_disconnect_mid_stream_cancels_and_frees(server: InProcessServer, engine
     stats = engine.get_stats()
     assert stats["active_tasks"] == 0
     assert stats["total_tokens"] - tokens_before < 1000
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_options_without_stream_is_a_400_naming_it(server: InProcessServer, route: str) -> None:
+    body = {"model": MODEL, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    body.update({"messages": CHAT} if route == "/v1/chat/completions" else {"prompt": "Hi"})
+    resp = httpx.post(f"{server.url}{route}", json=body, timeout=30)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "stream_options" and "stream" in resp.json()["error"]["message"]
+    body["stream"] = True
+    with httpx.stream("POST", f"{server.url}{route}", json=body, timeout=30) as ok:
+        assert ok.status_code == 200 and '"usage":{' in "".join(ok.iter_lines())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from serve_app import GenerateRequest, InferenceEngine
-from serve_app.sampling import (
+from serve_app.engine.sampling import (
     MinPStrategy,
     PenaltyStrategy,
     SamplingBatch,

@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 
 from serve_app import GenerateRequest, InferenceEngine
+from serve_app.bench.idle import http_stats, wait_idle
 from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import connect, create_request, make_post_completion
+from tests.served import ForeignRayCluster, engine_replica_pid
 
 MODEL = "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
-    run = ServeRun(tmp_path_factory.mktemp("serve"), args={"cache_tokens": 8192, "max_model_len": 2048})
-    yield run
-    run.stop()
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +32,11 @@ def claude(served: ServeRun) -> anthropic.Anthropic:
 
 
 def _stats(served: ServeRun) -> dict:
-    return httpx.get(f"{served.url}/stats", timeout=10).json()
+    return http_stats(served.url)()
 
 
-def _wait_idle(served: ServeRun, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    stats = _stats(served)
-    while (stats["active_tasks"] or stats["waiting_queue"] or stats["kv_pages_free"] != stats["kv_pages_total"]) and (
-        time.monotonic() < deadline
-    ):
-        time.sleep(0.1)
-        stats = _stats(served)
-    return stats
+def _wait_idle(served: ServeRun) -> dict:
+    return wait_idle(http_stats(served.url), timeout=20)
 
 
 def test_health_models_and_config(served: ServeRun) -> None:
@@ -68,6 +56,29 @@ def test_haproxy_serves_the_port_and_forwards_to_the_ingress(served: ServeRun) -
     ingress = [line.split(",") for line in csv.splitlines() if line.startswith("http-llm,SERVE_REPLICA_llm-Ingress")]
     assert ingress and all(row[17] == "UP" for row in ingress)
     assert sum(int(row[7]) for row in ingress) >= 1
+
+
+def test_haproxy_side_ports_listen_on_the_config_host_only(served: ServeRun) -> None:
+    """Serve's HAProxy template binds its stats and metrics ports on every interface; ours bind 127.0.0.1."""
+    ports = {int(served.env[name]) for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")}
+    listening: dict[int, set[str]] = {}
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] != "haproxy":
+            continue
+        try:
+            for conn in proc.net_connections("tcp"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr.port in ports:
+                    listening.setdefault(conn.laddr.port, set()).add(conn.laddr.ip)
+        except psutil.NoSuchProcess:
+            continue
+    assert listening == {port: {"127.0.0.1"} for port in ports}
+
+
+def test_serve_run_keeps_to_its_own_ray_cluster(served: ServeRun, foreign_ray: ForeignRayCluster) -> None:
+    """RAY_ADDRESS named another cluster when `serve run` started: Serve runs in a cluster of its own."""
+    assert engine_replica_pid(served.process.pid)  # the replicas are children of our `serve run`
+    foreign = foreign_ray.process_names()
+    assert foreign and not any("Serve" in name for name in foreign), foreign
 
 
 def test_chat_multi_turn_with_system_prompt(oai: openai.OpenAI, engine: InferenceEngine) -> None:

@@ -14,13 +14,10 @@ import pytest
 import yaml
 
 from serve_app import InferenceEngine
-from serve_app.protocols.engine_client import LocalEngineClient
-from serve_app.server import ServerContext, create_api
-from serve_app.tenants import OPEN, Tenant, TenantDirectory, key_digest, load_keys
-from tests.inprocess import InProcessServer
+from serve_app.http.tenants import OPEN, Tenant, TenantDirectory, key_digest, load_keys
+from tests.inprocess import MODEL, InProcessServer, engine_server
 from tests.prompts import _PASSAGE
 
-MODEL = "smollm2-135m-instruct"
 KEYS = {
     "key-a": {"tenant": "acme", "role": "user"},
     f"sha256:{key_digest('key-b')}": {"tenant": "globex"},
@@ -33,9 +30,8 @@ def server(engine: InferenceEngine, tmp_path_factory: pytest.TempPathFactory) ->
     keys_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
     keys_file.write_text(yaml.safe_dump(KEYS))
     tenants = TenantDirectory.from_config(str(keys_file), secret="test-secret")
-    srv = InProcessServer(create_api(ServerContext(LocalEngineClient(engine, MODEL), tenants=tenants)))
-    yield srv
-    srv.stop()
+    with engine_server(engine, tenants=tenants) as srv:
+        yield srv
 
 
 def oai(server: InProcessServer, key: str) -> openai.OpenAI:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from serve_app import GenerateRequest, InferenceEngine
+from serve_app.engine.stopping import StopStringMatcher
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.tokenizer import Tokenizer
-from serve_app.stopping import StopStringMatcher
 
 
 def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_the_match() -> None:

@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, RequestTiming, format_table
-from serve_app.engine import InferenceEngine
-from serve_app.request import GenerateRequest, StreamDelta
+from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.request import GenerateRequest, StreamDelta
 
 
 @dataclass

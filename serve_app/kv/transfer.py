@@ -13,13 +13,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from serve_app.errors import CacheFullError, InvalidRequestError
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.prefix_cache import chunk_hashes
-from serve_app.request import InvalidRequestError
-
-
-class CacheFullError(RuntimeError):
-    """Too few free pages to store the KV now (every page is in use by running requests)."""
 
 
 @dataclass(frozen=True)
@@ -128,20 +124,26 @@ class KVTransfer:
         if not missing:
             return StoreResult(0, len(hashes))
         # Hold the chunks already cached while allocating, so that eviction cannot take them.
-        kept = [page for page in cached if page is not None]
-        for page in kept:
-            pool.allocator.retain(page)
+        for page in cached:
+            if page is not None:
+                pool.allocator.retain(page)
         pages = pool.allocate(len(missing), keep_free=self.cache.reserve_pages)
         if pages is None:
-            pool.release(kept)
+            pool.release([page for page in cached if page is not None])
             raise CacheFullError(f"the cache has too few free pages to store {len(missing)} chunks now")
-        storage = self.cache.storage
-        shape = storage.shape
-        whole = len(hashes) * size
-        chunks = kv[:, :, :whole].to(storage.device).reshape(2, shape.n_layers, -1, size, shape.n_kv_heads, shape.head_dim)
+        chain = list(cached)
         for index, page in zip(missing, pages):
-            storage.k[:, page].copy_(chunks[0, :, index])
-            storage.v[:, page].copy_(chunks[1, :, index])
-            pool.publish(page, hashes[index])
-        pool.release(kept + pages)
+            chain[index] = page
+        try:
+            storage = self.cache.storage
+            shape = storage.shape
+            whole = len(hashes) * size
+            chunks = kv[:, :, :whole].to(storage.device).reshape(2, shape.n_layers, -1, size, shape.n_kv_heads, shape.head_dim)
+            for index, page in zip(missing, pages):
+                storage.k[:, page].copy_(chunks[0, :, index])
+                storage.v[:, page].copy_(chunks[1, :, index])
+                pool.publish(page, hashes[index])
+        finally:
+            # Whatever happened, every page goes back: published ones stay cached, the rest are free.
+            pool.release(chain)
         return StoreResult(len(missing), len(hashes) - len(missing))

@@ -9,7 +9,12 @@
 
 from serve_app.kv.transfer import KVConfig
 from serve_app.kvsdk.batched import BatchedStream
-from serve_app.kvsdk.completion import CompletionError, CompletionOutput, PostCompletion, make_post_completion
+from serve_app.kvsdk.completion import (
+    CompletionError,
+    CompletionOutput,
+    PostCompletion,
+    make_post_completion,
+)
 from serve_app.kvsdk.context import KVContext, KVError, connect
 from serve_app.kvsdk.metrics import Metrics, StreamPerfMetrics
 from serve_app.kvsdk.rope import rerotate_k

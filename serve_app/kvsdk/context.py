@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import httpx
 import torch
 
+from serve_app.http.protocols.kv import MEDIA_TYPE, decode_kv, encode_kv
 from serve_app.kv.transfer import KVConfig
 from serve_app.kvsdk.errors import error_message
-from serve_app.protocols.kv import MEDIA_TYPE, decode_kv, encode_kv
 
 
 class KVError(RuntimeError):

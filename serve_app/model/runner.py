@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.config import ModelConfig
-from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.kv.storage import KVShape
+from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import register_attention
 from serve_app.model.decode_kernel import load_decode_kernel
 from serve_app.model.loader import resolve_model_path

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from serve_app.request import InvalidRequestError
+from serve_app.errors import InvalidRequestError
 
 ChatMessage = dict[str, Any]
 

@@ -9,7 +9,15 @@ from pydantic import BaseModel, ValidationError
 Body = TypeVar("Body", bound=BaseModel)
 
 ErrorKind = Literal[
-    "invalid_request", "authentication", "permission", "not_found", "too_large", "rate_limit", "not_ready", "internal"
+    "invalid_request",
+    "authentication",
+    "permission",
+    "not_found",
+    "too_large",
+    "rate_limit",
+    "not_ready",
+    "overloaded",
+    "internal",
 ]
 
 STATUS = {
@@ -21,7 +29,11 @@ STATUS = {
     "rate_limit": 429,
     "internal": 500,
     "not_ready": 503,
+    "overloaded": 503,  # Anthropic's routes answer 529 (`MessagesBuilder.status_of`)
 }
+
+# Errors a client should retry after a pause (their answers carry `Retry-After`).
+RETRY_LATER = frozenset({"rate_limit", "not_ready", "overloaded"})
 
 
 class ProtocolError(Exception):

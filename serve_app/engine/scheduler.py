@@ -13,18 +13,20 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 from serve_app.config import SchedulerConfig
+from serve_app.engine.request import StreamDelta, TokenLogprob
+from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
+from serve_app.engine.task import Task, TaskState
+from serve_app.errors import EngineOverloadedError
 from serve_app.kv.base import KVCache
 from serve_app.kv.view import BatchEntry
 from serve_app.model.runner import ForwardBatch, ModelRunner
-from serve_app.request import StreamDelta, TokenLogprob
-from serve_app.sampling import SamplingBatch, SamplingPipeline
-from serve_app.task import Task, TaskState
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class InferenceScheduler:
         self._step_listeners: list[Callable[[], None]] = []
         self._wake = threading.Condition()
         self._stopped = False
+        self._failed_steps = 0  # in a row: a step whose requests all failed, even one by one
         self._thread = threading.Thread(target=self._loop, name="inference-scheduler", daemon=True)
 
     # -- called from any thread -------------------------------------------------------------
@@ -76,6 +79,11 @@ class InferenceScheduler:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def healthy(self) -> bool:
+        """Alive, and fewer than `max_consecutive_failed_steps` steps in a row have failed every request."""
+        return self.alive and self._failed_steps < self.config.max_consecutive_failed_steps
+
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` on the scheduler thread after every round of the loop, and once when it stops.
 
@@ -85,9 +93,14 @@ class InferenceScheduler:
         self._step_listeners.append(listener)
 
     def submit(self, task: Task) -> None:
+        """Queue a task; EngineOverloadedError when `max_waiting_requests` are already waiting."""
         with self._wake:
             if self._stopped:
                 raise RuntimeError("the engine has shut down")
+            if len(self.waiting) + len(self._inbox) >= self.config.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"the engine is overloaded: max_waiting_requests={self.config.max_waiting_requests} are waiting"
+                )
             self._inbox.append(task)
             self.stats.total_tasks += 1
             self._wake.notify()
@@ -97,15 +110,32 @@ class InferenceScheduler:
             self._aborts.add(task_id)
             self._wake.notify()
 
-    def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
-        """Run `fn` on the scheduler thread between two steps (where the cache may be touched); return its result."""
+    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run `fn` on the scheduler thread between two steps (where the cache may be touched); return its result.
+
+        At most `max_pending_calls` wait at once (EngineOverloadedError past that). A call still
+        waiting after `timeout` (default `call_timeout_s`) raises TimeoutError and is never run.
+        """
         future: Future = Future()
+        entry = (fn, future)
         with self._wake:
             if self._stopped:
                 raise RuntimeError("the engine has shut down")
-            self._calls.append((fn, future))
+            if len(self._calls) >= self.config.max_pending_calls:
+                raise EngineOverloadedError(
+                    f"the engine is overloaded: max_pending_calls={self.config.max_pending_calls} calls are waiting"
+                )
+            self._calls.append(entry)
             self._wake.notify()
-        return future.result(timeout)
+        try:
+            return future.result(self.config.call_timeout_s if timeout is None else timeout)
+        except FutureTimeoutError:
+            with self._wake:
+                if entry in self._calls:
+                    self._calls.remove(entry)
+            if future.cancel():
+                raise TimeoutError("the engine did not take the call in time; it will not run") from None
+            return future.result()  # it has started: its answer comes soon
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) right now."""
@@ -132,6 +162,7 @@ class InferenceScheduler:
                 self.step()
             except Exception as exc:  # a failed step must not stop the loop; its tasks fail instead
                 logger.exception("engine step failed")
+                self._failed_steps += 1
                 for task in list(self.running):
                     self._finish(task, StreamDelta("", (), "error", error=f"engine step failed: {exc}"))
             self._notify_step_listeners()
@@ -167,7 +198,13 @@ class InferenceScheduler:
             self._run(entries, tasks)
         except Exception:
             logger.exception("engine step failed; running its %d requests one by one", len(tasks))
-            self._run_each(entries, tasks, lengths)
+            if self._run_each(entries, tasks, lengths):
+                return
+            self._failed_steps += 1
+            if not self.healthy:
+                logger.error("%d steps in a row failed every request: this engine reports itself unhealthy", self._failed_steps)
+            return
+        self._failed_steps = 0
 
     def _run(self, entries: list[BatchEntry], tasks: list[Task]) -> None:
         """One forward over `entries`, then sampling for the tasks at the end of their tokens."""
@@ -186,15 +223,21 @@ class InferenceScheduler:
         if sampled:
             self._sample_and_publish(logits, sampled)
 
-    def _run_each(self, entries: list[BatchEntry], tasks: list[Task], lengths: list[int]) -> None:
+    def _run_each(self, entries: list[BatchEntry], tasks: list[Task], lengths: list[int]) -> bool:
+        """Run each entry alone; a task that fails alone ends with an error. True if any ran."""
+        ran = False
         for entry, task, length in zip(entries, tasks, lengths):
             if task.state is TaskState.FINISHED or task.num_tokens != length:
                 continue  # it finished, or it took its token before the failure
             try:
                 self._run([entry], [task])
+                ran = True
             except Exception as exc:
                 logger.exception("task %d failed", task.task_id)
                 self._finish(task, StreamDelta("", (), "error", error=f"engine step failed: {exc}"))
+        if ran:
+            self._failed_steps = 0
+        return ran
 
     def _sample_and_publish(self, logits: torch.Tensor, tasks: list[Task]) -> None:
         batch = SamplingBatch.build(

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load, save
 
-from serve_app.protocols.errors import invalid, validate_body
+from serve_app.http.protocols.errors import invalid, validate_body
+
+if TYPE_CHECKING:
+    import torch
 
 MEDIA_TYPE = "application/octet-stream"
 
@@ -35,6 +36,9 @@ def parse_tokens_request(body: Any) -> TokensRequest:
 
 def encode_kv(kv: torch.Tensor, tokens: list[int] | None = None, cache_salt: str | None = None) -> bytes:
     """A safetensors body holding `kv` (and, for a store, its tokens and salt)."""
+    import torch  # here, not at import: the HTTP layer starts without torch
+    from safetensors.torch import save
+
     tensors = {"kv": kv.contiguous()}
     if tokens is not None:
         tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)
@@ -50,6 +54,9 @@ def _metadata(body: bytes) -> dict[str, str]:
 
 def decode_kv(body: bytes) -> tuple[torch.Tensor, list[int] | None, str]:
     """(kv, tokens or None, cache salt) from a safetensors body; 400 naming what is wrong."""
+    import torch
+    from safetensors.torch import load
+
     try:
         tensors = load(body)
         metadata = _metadata(body)

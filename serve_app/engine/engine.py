@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
@@ -12,18 +13,26 @@ from typing import Any
 import torch
 
 from serve_app.config import EngineConfig
+from serve_app.engine.calls import (
+    CountTokens,
+    EngineCall,
+    GetKVConfig,
+    GetStats,
+    LookupKV,
+    RetrieveKV,
+    StoreKV,
+)
+from serve_app.engine.request import GenerateRequest, GenerateResult, StreamDelta
+from serve_app.engine.scheduler import InferenceScheduler
+from serve_app.engine.stopping import StopStringMatcher
+from serve_app.engine.task import Task
+from serve_app.errors import InvalidRequestError
 from serve_app.kv.factory import build_kv_cache
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.transfer import KVConfig, KVTransfer, StoreResult
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
 from serve_app.model.tokenizer import Tokenizer
-from serve_app.request import GenerateRequest, GenerateResult, InvalidRequestError, StreamDelta, Usage
-from serve_app.scheduler import InferenceScheduler
-from serve_app.stopping import StopStringMatcher
-from serve_app.task import Task
-
-__all__ = ["GenerateRequest", "GenerateResult", "InferenceEngine", "InvalidRequestError", "StreamDelta", "Usage"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +86,7 @@ class InferenceEngine:
             bad = next((i for i in ids if not 0 <= i < vocab), None)
             if bad is not None:
                 raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        params = request.sampling_params()
+        params = request.sampling
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
@@ -142,6 +151,32 @@ class InferenceEngine:
     def abort(self, task_id: int) -> None:
         """Cancel a task; its cache is freed at the next step."""
         self.scheduler.abort(task_id)
+
+    def answer(self, call: EngineCall) -> Any:
+        """What `call` asks of the engine (see `serve_app.engine.calls`); raises what the engine refuses."""
+        match call:
+            case CountTokens(request):
+                return len(self.prompt_ids(request))
+            case GetStats():
+                return self.get_stats()
+            case GetKVConfig():
+                return self.kv_config()
+            case LookupKV(tokens, cache_salt):
+                return self.kv_lookup(tokens, cache_salt)
+            case RetrieveKV(tokens, cache_salt):
+                return self.kv_retrieve(tokens, cache_salt)
+            case StoreKV(kv, tokens, cache_salt):
+                return self.kv_store_chunks(kv, tokens, cache_salt)
+        raise TypeError(f"not an engine call: {call!r}")
+
+    async def answer_async(self, call: EngineCall) -> Any:
+        """`answer` off the event loop (KV calls wait for the scheduler thread)."""
+        return await asyncio.to_thread(self.answer, call)
+
+    @property
+    def healthy(self) -> bool:
+        """False once the scheduler has stopped or its steps keep failing: the host should replace this engine."""
+        return self.scheduler.healthy
 
     # -- the convenience API ------------------------------------------------------------------
     def generate(self, prompt: Prompt | Sequence[Prompt], stream: bool = False, **params: Any):

@@ -8,7 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve_app.protocols.base import (
+from serve_app.engine.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
+from serve_app.engine.sampling_params import SamplingParams
+from serve_app.http.protocols.base import (
     Choice,
     ModelInfo,
     PreparedRequest,
@@ -16,9 +18,8 @@ from serve_app.protocols.base import (
     sse,
     total_usage,
 )
-from serve_app.protocols.errors import ProtocolError, invalid, validate_body
-from serve_app.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
-from serve_app.tenants import check_client_salt
+from serve_app.http.protocols.errors import ProtocolError, invalid, validate_body
+from serve_app.http.tenants import check_client_salt
 
 _ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
@@ -28,6 +29,7 @@ _ERROR_TYPES = {
     "too_large": "invalid_request_error",
     "rate_limit": "rate_limit_error",
     "not_ready": "service_unavailable",
+    "overloaded": "service_unavailable",
     "internal": "internal_error",
 }
 
@@ -87,19 +89,22 @@ class _SamplingFields(_Lenient):
 
     def engine_fields(self, max_tokens: int | None, logprobs: int | None, choice: int) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return dict(
-            max_tokens=max_tokens,
+        sampling = SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
             # Choices of one request differ: each draws from its own seed.
             seed=None if self.seed is None else self.seed + choice,
-            stop=stop,
-            stop_token_ids=self.stop_token_ids,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+        )
+        return dict(
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             cache_salt=self.cache_salt or "",
             logprobs=logprobs,
@@ -144,6 +149,8 @@ def _usage_json(usage: Usage) -> dict[str, Any]:
 def _prepared(
     req: _SamplingFields, requests: list[GenerateRequest], logprobs: bool, token_ids: bool = False
 ) -> PreparedRequest:
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options: only allowed when stream is true", "stream_options")
     return PreparedRequest(
         requests=requests,
         stream=req.stream,

@@ -9,17 +9,16 @@ from typing import Any
 from pydantic import ValidationError
 from ray.serve import Application
 
+from deployments.engine import EngineDeployment
+from deployments.ingress import Ingress
+from deployments.stats_board import StatsBoard
 from serve_app.config import AppConfig
+from serve_app.http.tenants import KEYS_ENV
 from serve_app.model.loader import resolve_model_path
-from serve_app.tenants import KEYS_ENV
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Validate the application args, prepare the model once, and bind the deployments."""
-    from deployments.engine import EngineDeployment
-    from deployments.ingress import Ingress
-    from deployments.stats_board import StatsBoard
-
     try:
         config = AppConfig.from_args(args)
     except ValidationError as error:

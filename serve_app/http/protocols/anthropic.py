@@ -7,9 +7,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve_app.protocols.base import Choice, ModelInfo, PreparedRequest, ResponseBuilder, sse, total_usage
-from serve_app.protocols.errors import ProtocolError, validate_body
-from serve_app.request import GenerateRequest, StreamDelta, Usage
+from serve_app.engine.request import GenerateRequest, StreamDelta, Usage
+from serve_app.engine.sampling_params import SamplingParams
+from serve_app.http.protocols.base import (
+    Choice,
+    ModelInfo,
+    PreparedRequest,
+    ResponseBuilder,
+    sse,
+    total_usage,
+)
+from serve_app.http.protocols.errors import ProtocolError, validate_body
+
+# Anthropic's API answers an overloaded service with 529 `overloaded_error`.
+OVERLOADED_STATUS = 529
 
 _ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
@@ -19,6 +30,7 @@ _ERROR_TYPES = {
     "too_large": "request_too_large",
     "rate_limit": "rate_limit_error",
     "not_ready": "overloaded_error",
+    "overloaded": "overloaded_error",
     "internal": "api_error",
 }
 
@@ -99,9 +111,7 @@ class MessagesBuilder(ResponseBuilder):
         request = GenerateRequest(
             messages=req.chat(),
             max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
+            sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
             stop=list(req.stop_sequences or []),
         )
         return PreparedRequest(requests=[request], stream=req.stream, model=req.model)
@@ -161,3 +171,6 @@ class MessagesBuilder(ResponseBuilder):
 
     def format_error(self, error: ProtocolError) -> dict[str, Any]:
         return {"type": "error", "error": {"type": _ERROR_TYPES[error.kind], "message": error.message}}
+
+    def status_of(self, error: ProtocolError) -> int:
+        return OVERLOADED_STATUS if error.kind == "overloaded" else error.status

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serve_app.config import ServerConfig
-from serve_app.protocols.base import PreparedRequest
-from serve_app.protocols.errors import invalid
+from serve_app.http.protocols.base import PreparedRequest
+from serve_app.http.protocols.errors import invalid
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
+from serve_app.engine.request import (
+    FinishReason,
+    GenerateResult,
+    StreamDelta,
+    TokenLogprob,
+)
+from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.stopping import StopStringMatcher
 from serve_app.model.detokenizer import IncrementalDetokenizer
-from serve_app.request import FinishReason, GenerateResult, StreamDelta, TokenLogprob
-from serve_app.sampling import SamplingParams
-from serve_app.stopping import StopStringMatcher
 
 
 class TaskState(enum.Enum):

@@ -10,21 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve_app.sampling import SamplingParams
+from serve_app.engine.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses before queueing it; `param` names the offending field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # it crosses to the engine's host process
-        return type(self), (self.param, self.message)
 
 
 class GenerateRequest(BaseModel):
@@ -35,19 +23,26 @@ class GenerateRequest(BaseModel):
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = Field(16, ge=1, description="None: up to the end of the model's context")
-    temperature: float = Field(1.0, ge=0.0)
-    top_k: int = Field(50, ge=-1)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     cache_salt: str = ""
     logprobs: int | None = Field(None, ge=0, le=20, description="also return each token's logprob and this many top ones")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_sampling_fields(cls, data: Any) -> Any:
+        """`GenerateRequest(prompt=..., temperature=0)`: sampling fields given flat go into `sampling`."""
+        if not isinstance(data, dict):
+            return data
+        flat = {key: data[key] for key in SamplingParams.model_fields if key in data}
+        if not flat:
+            return data
+        if "sampling" in data:
+            raise ValueError(f"give the sampling fields in `sampling` or flat, not both ({', '.join(flat)})")
+        rest = {key: value for key, value in data.items() if key not in flat}
+        return {**rest, "sampling": flat}
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -79,18 +74,6 @@ class GenerateRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt or messages: give exactly one")
         return self
-
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=self.seed,
-        )
 
 
 @dataclass(frozen=True)

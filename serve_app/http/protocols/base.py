@@ -1,4 +1,4 @@
-"""The protocol strategy: `ResponseBuilder` per API, `ProtocolHandler` to run one request, `EngineClient`."""
+"""The protocol strategy: a `ResponseBuilder` per API, and `ProtocolHandler` to run one request with it."""
 
 from __future__ import annotations
 
@@ -12,58 +12,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from serve_app.protocols.errors import ProtocolError, from_validation_error
-from serve_app.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
+from serve_app.engine.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
+from serve_app.http.engine_client import EngineClient, ModelInfo
+from serve_app.http.protocols.errors import (
+    RETRY_LATER,
+    ProtocolError,
+    from_validation_error,
+)
+from serve_app.http.streaming import ClosingStreamingResponse
 
 if TYPE_CHECKING:
-    import torch
-
-    from serve_app.kv.transfer import StoreResult
-    from serve_app.protocols.limits import RequestLimits
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The model a server answers for."""
-
-    id: str
-    max_model_len: int
-    created: int
-
-
-class EngineClient(ABC):
-    """How the protocol layer reaches an engine: in process, or through Ray Serve handles."""
-
-    @abstractmethod
-    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
-        """Deltas of one request; raises ProtocolError (before any delta) for a request the engine refuses."""
-
-    @abstractmethod
-    async def count_tokens(self, request: GenerateRequest) -> int: ...
-
-    @abstractmethod
-    async def model_info(self) -> ModelInfo: ...
-
-    @abstractmethod
-    async def stats(self) -> dict[str, int]: ...
-
-    @abstractmethod
-    async def ready(self) -> bool: ...
-
-    # Cached KV (the KV SDK). Each raises ProtocolError for what the engine refuses.
-    @abstractmethod
-    async def kv_config(self) -> dict[str, Any]: ...
-
-    @abstractmethod
-    async def kv_lookup(self, tokens: list[int], cache_salt: str) -> int: ...
-
-    @abstractmethod
-    async def kv_retrieve(self, tokens: list[int], cache_salt: str) -> torch.Tensor | None: ...
-
-    @abstractmethod
-    async def kv_store(self, kv: torch.Tensor, tokens: list[int], cache_salt: str) -> StoreResult: ...
+    from serve_app.http.protocols.limits import RequestLimits
 
 
 @dataclass
@@ -149,9 +110,13 @@ class ResponseBuilder(ABC):
     @abstractmethod
     def format_error(self, error: ProtocolError) -> dict[str, Any]: ...
 
+    def status_of(self, error: ProtocolError) -> int:
+        """The HTTP status this API answers `error` with."""
+        return error.status
+
     def error_response(self, error: ProtocolError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if error.status in (429, 503) else None
-        return JSONResponse(self.format_error(error), status_code=error.status, headers=headers)
+        headers = {"Retry-After": "1"} if error.kind in RETRY_LATER else None
+        return JSONResponse(self.format_error(error), status_code=self.status_of(error), headers=headers)
 
 
 class RequestObserver(ABC):
@@ -193,12 +158,12 @@ class ProtocolHandler:
         for choice, first in zip(choices, firsts):
             choice.add(first)
         if prepared.stream:
-            return StreamingResponse(self._events(prepared, streams, choices, firsts), media_type="text/event-stream")
+            events = self._events(prepared, streams, choices, firsts)
+            return ClosingStreamingResponse(events, [lambda: self._finish(streams, choices)])
         try:
             await _drain(streams, choices)
         finally:
-            await _close(streams)
-        self._observe(streams, choices)
+            await self._finish(streams, choices)
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
             return self.builder.error_response(ProtocolError("internal", failed.error or "generation failed"))
@@ -211,25 +176,24 @@ class ProtocolHandler:
         choices: list[Choice],
         firsts: list[StreamDelta],
     ) -> AsyncIterator[str]:
+        """The stream's events; its engine streams are closed by the response (`_finish`), however it ends."""
         builder = self.builder
-        try:
-            for event in builder.format_stream_start(prepared, choices):
+        for event in builder.format_stream_start(prepared, choices):
+            yield event
+        for choice, first in zip(choices, firsts):
+            for event in builder.format_chunk(prepared, choice, first):
                 yield event
-            for choice, first in zip(choices, firsts):
-                for event in builder.format_chunk(prepared, choice, first):
-                    yield event
-            async for index, delta in _merged(streams, choices):
-                choice = choices[index]
-                choice.add(delta)
-                for event in builder.format_chunk(prepared, choice, delta):
-                    yield event
-            for event in builder.format_stream_end(prepared, choices):
+        async for index, delta in _merged(streams, choices):
+            choice = choices[index]
+            choice.add(delta)
+            for event in builder.format_chunk(prepared, choice, delta):
                 yield event
-        finally:
-            await _close(streams)
-            self._observe(streams, choices)
+        for event in builder.format_stream_end(prepared, choices):
+            yield event
 
-    def _observe(self, streams: Sequence[_TimedStream], choices: Sequence[Choice]) -> None:
+    async def _finish(self, streams: Sequence[_TimedStream], choices: Sequence[Choice]) -> None:
+        """Close the engine streams (cancelling what is unfinished), then tell the observer how each went."""
+        await _close(streams)
         if self.observer is None:
             return
         for stream, choice in zip(streams, choices):

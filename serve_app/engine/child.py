@@ -1,0 +1,182 @@
+"""The engine's own process: an InferenceEngine served over two connections to its host.
+
+`python -m serve_app.engine.child STREAM_FD CALL_FD` is started by `EngineProcess` with one end
+of two socket pairs. It reads the `EngineConfig` (JSON bytes) on the stream channel, loads the
+engine, answers `Ready` or `Failed`, then serves the messages of `serve_app.engine.messages`
+until the host says `Shutdown` or goes away.
+
+Every send on the stream channel is small (an acceptance, one round's deltas, the stats), so the
+scheduler's per-round flush never waits behind a tokenization or a KV transfer: requests are
+tokenized outside any lock, and calls (KV tensors of up to a gigabyte) are answered on the call
+channel by their own threads. The engine's stats and health go out every HEALTH_EVERY_S when
+they have changed, so a host's stats reporter needs no round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+
+from serve_app.config import EngineConfig
+from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.messages import (
+    Abort,
+    Accepted,
+    Call,
+    Deltas,
+    Failed,
+    FromEngine,
+    Health,
+    Ready,
+    Refused,
+    Reply,
+    Shutdown,
+    Submit,
+    portable,
+    receive,
+    send,
+)
+from serve_app.engine.request import StreamDelta
+from serve_app.errors import EngineOverloadedError
+
+logger = logging.getLogger(__name__)
+
+HEALTH_EVERY_S = 0.2
+
+
+class EngineChild:
+    """Relays the host's messages to an engine: requests in, one message of deltas per scheduler round out."""
+
+    def __init__(self, engine: InferenceEngine, streams: Connection, calls: Connection) -> None:
+        self.engine = engine
+        self._streams = streams
+        self._calls = calls
+        self._stream_lock = threading.Lock()
+        self._call_lock = threading.Lock()
+        self._outbox: list[tuple[int, StreamDelta]] = []
+        self._outbox_lock = threading.Lock()
+        # Calls wait for the scheduler; they must not hold up submits, aborts or each other's replies.
+        self._max_calls = engine.config.scheduler.max_pending_calls
+        self._call_workers = ThreadPoolExecutor(max_workers=self._max_calls, thread_name_prefix="engine-call")
+        self._calls_in_flight = threading.BoundedSemaphore(self._max_calls)
+        self._pushed = Health(engine.get_stats(), engine.healthy)
+        engine.scheduler.add_step_listener(self._flush)
+
+    def serve(self) -> None:
+        """Handle messages until `Shutdown`, the host's end closing, or the scheduler dying."""
+        self._send_stream(Ready(self.engine.max_model_len, self.engine.created, self._pushed.stats))
+        threading.Thread(target=self._read_calls, name="engine-call-reader", daemon=True).start()
+        next_health = time.monotonic() + HEALTH_EVERY_S
+        try:
+            while True:
+                if self._streams.poll(max(0.0, next_health - time.monotonic())):
+                    message = receive(self._streams)
+                    if isinstance(message, Shutdown):
+                        return
+                    self._handle(message)
+                if time.monotonic() >= next_health:
+                    if not self.engine.scheduler.alive:
+                        logger.error("the scheduler thread has stopped; exiting")
+                        return
+                    self._push_health()
+                    next_health = time.monotonic() + HEALTH_EVERY_S
+        except (EOFError, OSError):
+            logger.info("the host closed the connection; exiting")
+        finally:
+            self.engine.shutdown()
+            self._call_workers.shutdown(wait=False, cancel_futures=True)
+            self._flush()
+
+    def _handle(self, message: Submit | Abort) -> None:
+        match message:
+            case Submit():
+                self._submit(message)
+            case Abort(task_id):
+                self.engine.abort(task_id)
+            case _:
+                logger.error("unknown message %r", message)
+
+    def _submit(self, message: Submit) -> None:
+        try:
+            result = self.engine.submit(message.request)  # tokenizes: no lock held
+        except Exception as error:
+            self._send_stream(Refused(message.call_id, portable(error)))
+            return
+        task_id = result.task_id
+        # `Accepted` goes out before the subscription, so the request's deltas can only follow it.
+        self._send_stream(Accepted(message.call_id, task_id, result.prompt_tokens))
+        result.subscribe(lambda delta: self._post(task_id, delta))
+        self._flush()  # deltas published before the subscription have no scheduler round left to ship them
+
+    def _read_calls(self) -> None:
+        try:
+            while True:
+                message: Call = receive(self._calls)
+                if not self._calls_in_flight.acquire(blocking=False):
+                    overloaded = EngineOverloadedError(f"the engine is overloaded: max_pending_calls={self._max_calls}")
+                    self._send_reply(Reply(message.call_id, False, overloaded))
+                    continue
+                self._call_workers.submit(self._answer, message)
+        except (EOFError, OSError, RuntimeError):  # the host has gone, or the workers have shut down
+            pass
+
+    def _answer(self, message: Call) -> None:
+        try:
+            reply = Reply(message.call_id, True, self.engine.answer(message.call))
+        except Exception as error:
+            reply = Reply(message.call_id, False, portable(error))
+        try:
+            self._send_reply(reply)
+        finally:
+            self._calls_in_flight.release()
+
+    def _send_reply(self, reply: Reply) -> None:
+        try:
+            with self._call_lock:
+                send(self._calls, reply)
+        except (OSError, ValueError):
+            pass  # the host has gone
+
+    def _push_health(self) -> None:
+        health = Health(self.engine.get_stats(), self.engine.healthy)
+        if health != self._pushed:
+            self._pushed = health
+            self._send_stream(health)
+
+    def _post(self, task_id: int, delta: StreamDelta) -> None:
+        with self._outbox_lock:
+            self._outbox.append((task_id, delta))
+
+    def _flush(self) -> None:
+        with self._outbox_lock:
+            deltas, self._outbox = self._outbox, []
+        if deltas:
+            try:
+                self._send_stream(Deltas(deltas))
+            except (OSError, ValueError):
+                pass  # the host has gone; the serve loop notices and stops
+
+    def _send_stream(self, message: FromEngine) -> None:
+        with self._stream_lock:
+            send(self._streams, message)
+
+
+def main(stream_fd: int, call_fd: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="engine process %(levelname)s %(name)s: %(message)s")
+    streams, calls = Connection(stream_fd), Connection(call_fd)
+    try:
+        config = EngineConfig.model_validate_json(streams.recv_bytes())
+        engine = InferenceEngine(config=config)
+    except BaseException:
+        send(streams, Failed(traceback.format_exc()))
+        raise
+    EngineChild(engine, streams, calls).serve()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))

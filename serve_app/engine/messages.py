@@ -1,0 +1,124 @@
+"""The typed messages between `EngineProcess` (the host) and the engine's own process (`child`).
+
+Two connections join them, so that a big answer never holds up a stream:
+
+    stream channel, host -> engine          stream channel, engine -> host
+    Submit(call_id, request)                Ready(...) or Failed(reason), once, first
+    Abort(task_id)                          Accepted(call_id, task_id, prompt_tokens) or Refused(call_id, error)
+    Shutdown()                              Deltas([(task_id, StreamDelta), ...]), one per scheduler round
+                                            Health(stats, healthy), when they change
+
+    call channel, host -> engine            call channel, engine -> host
+    Call(call_id, EngineCall)               Reply(call_id, ok, value or error)
+
+The host sends the `EngineConfig` (JSON bytes) on the stream channel before anything else. A
+request's `Accepted` always comes before its first delta. KV tensors of up to a gigabyte travel
+only on the call channel. Messages are plain pickles (`send`, `receive`), not multiprocessing's,
+which would move tensors to shared memory.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from serve_app.engine.calls import EngineCall
+from serve_app.engine.request import GenerateRequest, StreamDelta
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The engine is loaded: its context limit, creation time and first stats."""
+
+    max_model_len: int
+    created: int
+    stats: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The engine could not be loaded; `reason` is the child's traceback."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Submit:
+    call_id: int
+    request: GenerateRequest
+
+
+@dataclass(frozen=True)
+class Abort:
+    task_id: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Cancel every unfinished request and exit."""
+
+
+@dataclass(frozen=True)
+class Accepted:
+    call_id: int
+    task_id: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The engine would not queue the request of `call_id`; `error` is what it raised."""
+
+    call_id: int
+    error: Exception
+
+
+@dataclass(frozen=True)
+class Deltas:
+    """Every delta one scheduler round published, in order."""
+
+    items: list[tuple[int, StreamDelta]]
+
+
+@dataclass(frozen=True)
+class Health:
+    """The engine's stats and whether it can still serve (a scheduler whose steps keep failing cannot)."""
+
+    stats: dict[str, int]
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class Call:
+    call_id: int
+    call: EngineCall
+
+
+@dataclass(frozen=True)
+class Reply:
+    call_id: int
+    ok: bool
+    value: Any
+
+
+ToEngine = Submit | Abort | Shutdown | Call
+FromEngine = Ready | Failed | Accepted | Refused | Deltas | Health | Reply
+
+
+def send(conn: Connection, message: ToEngine | FromEngine) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def portable(error: Exception) -> Exception:
+    """`error` if it pickles (the host re-raises it as it is), else a RuntimeError that says what it was."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")

@@ -1,0 +1,1 @@
+"""The HTTP API: the FastAPI app and its routers, tenants, metrics, and one builder per protocol."""

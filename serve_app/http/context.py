@@ -1,0 +1,66 @@
+"""ServerContext: what every route needs (engine client, config, limits, tenants, metrics), and who is calling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from serve_app.config import ServerConfig
+from serve_app.http.engine_client import EngineClient
+from serve_app.http.metrics import ServerMetrics
+from serve_app.http.protocols.errors import ProtocolError, invalid
+from serve_app.http.protocols.limits import RequestLimits
+from serve_app.http.tenants import (
+    Tenant,
+    TenantDirectory,
+    TenantSlots,
+    check_client_salt,
+)
+
+
+@dataclass
+class ServerContext:
+    engine: EngineClient
+    config: ServerConfig = field(default_factory=ServerConfig)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    tenants: TenantDirectory = field(default_factory=TenantDirectory.open)
+    slots: TenantSlots = field(init=False)
+    limits: RequestLimits = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slots = TenantSlots(self.config.max_concurrent_per_tenant)
+        self.limits = RequestLimits.from_config(self.config)
+
+    def caller(self, request: Request, admin: bool = False) -> Tenant:
+        """Who sent `request` (`Authorization: Bearer <key>` or `x-api-key`): 401 when unknown, 403 when not admin."""
+        key = request.headers.get("x-api-key")
+        authorization = request.headers.get("authorization", "")
+        if key is None and authorization.lower().startswith("bearer "):
+            key = authorization[7:].strip()
+        tenant = self.tenants.authenticate(key)
+        if tenant is None:
+            raise ProtocolError("authentication", "a valid API key is required (Authorization: Bearer or x-api-key)")
+        if admin and not tenant.is_admin:
+            raise ProtocolError("permission", "this route needs an admin API key")
+        return tenant
+
+    async def ready_caller(self, request: Request, admin: bool = False) -> Tenant:
+        """The authenticated caller, once the engine is ready (503 before)."""
+        tenant = self.caller(request, admin)
+        if not await self.engine.ready():
+            raise ProtocolError("not_ready", "Engine not initialized")
+        return tenant
+
+    def engine_salt(self, tenant: Tenant, client_salt: str) -> str:
+        """The engine's cache salt for a caller's request: the only way a salt reaches the engine."""
+        if client_salt:
+            try:
+                check_client_salt(client_salt)
+            except ValueError as error:
+                raise invalid(f"cache_salt: {error}", "cache_salt") from None
+        return self.tenants.cache_salt(tenant, client_salt)
+
+
+def context_of(request: Request) -> ServerContext:
+    return request.app.state.context

@@ -1,0 +1,95 @@
+"""How the HTTP layer reaches an engine: the `EngineClient` interface, and `LocalEngineClient` in process.
+
+Serve's ingress has its own client made of Ray handles (`deployments.ingress.RayEngineClient`).
+Either way an engine's refusal arrives as a `RequestRefused` value and leaves here as a
+`ProtocolError`, before any delta.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from serve_app.engine.calls import EngineCall
+from serve_app.engine.request import GenerateRequest, StreamDelta
+from serve_app.engine.serving import RequestRefused, answer_or_refusal, engine_events
+from serve_app.http.protocols.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from serve_app.engine.engine import InferenceEngine
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model a server answers for."""
+
+    id: str
+    max_model_len: int
+    created: int
+
+
+class EngineClient(ABC):
+    """An engine as the routes see it: streams of deltas, calls, and what the server reports."""
+
+    @abstractmethod
+    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """Deltas of one request; raises ProtocolError (before any delta) for a request the engine refuses."""
+
+    @abstractmethod
+    async def ask(self, call: EngineCall) -> Any:
+        """The engine's answer to `call` (`serve_app.engine.calls`); ProtocolError for what it refuses."""
+
+    @abstractmethod
+    async def model_info(self) -> ModelInfo: ...
+
+    @abstractmethod
+    async def stats(self) -> dict[str, int]:
+        """The stats of every engine replica, summed."""
+
+    @abstractmethod
+    async def ready(self) -> bool: ...
+
+
+def unwrap(answer: T | RequestRefused) -> T:
+    """An engine's answer, with a refusal raised as ProtocolError."""
+    if isinstance(answer, RequestRefused):
+        raise ProtocolError(answer.kind, answer.message, answer.param)
+    return answer
+
+
+async def deltas_from_events(events: AsyncIterator[Any]) -> AsyncIterator[StreamDelta]:
+    """Deltas from an engine's event stream; a `RequestRefused` raises ProtocolError."""
+    try:
+        async for event in events:
+            yield unwrap(event)
+    finally:
+        closer = getattr(events, "aclose", None)
+        if closer is not None:
+            await closer()
+
+
+class LocalEngineClient(EngineClient):
+    """An `InferenceEngine` in this process."""
+
+    def __init__(self, engine: InferenceEngine, served_name: str) -> None:
+        self.engine = engine
+        self.info = ModelInfo(id=served_name, max_model_len=engine.max_model_len, created=engine.created)
+
+    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        return deltas_from_events(engine_events(self.engine, request))
+
+    async def ask(self, call: EngineCall) -> Any:
+        return unwrap(await answer_or_refusal(self.engine, call))
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def stats(self) -> dict[str, int]:
+        return self.engine.get_stats()
+
+    async def ready(self) -> bool:
+        return self.engine.healthy

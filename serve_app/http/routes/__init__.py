@@ -1,0 +1,1 @@
+"""The routers: generation (OpenAI and Anthropic), cached KV, and admin (health, models, stats, metrics)."""

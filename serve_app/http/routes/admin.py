@@ -1,0 +1,53 @@
+"""The admin routes: health (open to all), the model card, the engines' stats and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from serve_app.http.context import context_of
+from serve_app.http.metrics import CONTENT_TYPE
+from serve_app.http.protocols.openai import ChatCompletionsBuilder
+from serve_app.http.routes.answering import answers_in
+
+router = APIRouter()
+answers = answers_in(ChatCompletionsBuilder())  # errors in OpenAI's shape
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    if await context_of(request).engine.ready():
+        return JSONResponse({"status": "ok", "model_loaded": True})
+    return JSONResponse({"status": "loading", "model_loaded": False}, status_code=503)
+
+
+@router.get("/v1/models")
+@answers
+async def models(request: Request) -> Response:
+    context = context_of(request)
+    await context.ready_caller(request)
+    info = await context.engine.model_info()
+    card = {
+        "id": info.id,
+        "object": "model",
+        "created": info.created,
+        "owned_by": "serve-app",
+        "max_model_len": info.max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/stats")
+@answers
+async def stats(request: Request) -> Response:
+    context = context_of(request)
+    context.caller(request, admin=True)
+    return JSONResponse(await context.engine.stats())
+
+
+@router.get("/metrics")
+@answers
+async def metrics(request: Request) -> Response:
+    context = context_of(request)
+    context.caller(request, admin=True)
+    return Response(context.metrics.render(await context.engine.stats()), media_type=CONTENT_TYPE)

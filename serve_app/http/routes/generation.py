@@ -1,0 +1,68 @@
+"""The generation routes: OpenAI chat and legacy completions, Anthropic messages and token counting."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from serve_app.engine.calls import CountTokens
+from serve_app.engine.request import GenerateRequest
+from serve_app.http.body import read_json
+from serve_app.http.context import context_of
+from serve_app.http.protocols.anthropic import (
+    CountTokensRequest,
+    MessagesBuilder,
+    parse,
+)
+from serve_app.http.protocols.base import ProtocolHandler, ResponseBuilder
+from serve_app.http.protocols.errors import ProtocolError
+from serve_app.http.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
+from serve_app.http.routes.answering import answers_in
+from serve_app.http.streaming import ClosingStreamingResponse
+
+router = APIRouter()
+messages = MessagesBuilder()
+
+
+def _generation(builder: ResponseBuilder) -> Callable[[Request], Awaitable[Response]]:
+    """A route that runs one request through `builder`, holding one of the tenant's slots until it is over."""
+
+    @answers_in(builder)
+    async def route(request: Request) -> Response:
+        context = context_of(request)
+        tenant = context.caller(request)
+        body = await read_json(request, context.config.max_request_bytes)
+        if not context.slots.try_take(tenant):
+            limit = context.config.max_concurrent_per_tenant
+            raise ProtocolError("rate_limit", f"over max_concurrent_per_tenant={limit} requests in flight")
+        handler = ProtocolHandler(builder, context.engine, context.metrics)
+        try:
+            response = await handler.handle(body, lambda salt: context.engine_salt(tenant, salt), context.limits)
+        except BaseException:
+            context.slots.give_back(tenant)
+            raise
+        if isinstance(response, ClosingStreamingResponse):
+            response.call_on_close(lambda: context.slots.give_back(tenant))
+        else:
+            context.slots.give_back(tenant)
+        return response
+
+    return route
+
+
+router.add_api_route("/v1/chat/completions", _generation(ChatCompletionsBuilder()), methods=["POST"])
+router.add_api_route("/v1/completions", _generation(CompletionsBuilder()), methods=["POST"])
+router.add_api_route("/v1/messages", _generation(messages), methods=["POST"])
+
+
+@router.post("/v1/messages/count_tokens")
+@answers_in(messages)
+async def count_tokens(request: Request) -> Response:
+    context = context_of(request)
+    await context.ready_caller(request)
+    body = await read_json(request, context.config.max_request_bytes)
+    req: CountTokensRequest = parse(CountTokensRequest, body, await context.engine.model_info())
+    count = await context.engine.ask(CountTokens(GenerateRequest(messages=req.chat(), max_tokens=None)))
+    return JSONResponse({"input_tokens": count})

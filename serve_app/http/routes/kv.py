@@ -1,0 +1,74 @@
+"""The cached-KV routes (`/v1/kv/*`, admin only): config, lookup, retrieve and store, per tenant salt."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from serve_app.engine.calls import GetKVConfig, LookupKV, RetrieveKV, StoreKV
+from serve_app.http.body import read_body, read_json
+from serve_app.http.context import context_of
+from serve_app.http.protocols.errors import ProtocolError, invalid
+from serve_app.http.protocols.kv import (
+    MEDIA_TYPE,
+    TokensRequest,
+    decode_kv,
+    encode_kv,
+    parse_tokens_request,
+)
+from serve_app.http.protocols.openai import ChatCompletionsBuilder
+from serve_app.http.routes.answering import answers_in
+
+router = APIRouter(prefix="/v1/kv")
+answers = answers_in(ChatCompletionsBuilder())  # errors in OpenAI's shape
+
+
+async def _tokens_request(request: Request) -> tuple[TokensRequest, str]:
+    """The body's tokens, and the engine salt of the caller's `cache_salt`."""
+    context = context_of(request)
+    tenant = await context.ready_caller(request, admin=True)
+    req = parse_tokens_request(await read_json(request, context.config.max_request_bytes))
+    return req, context.engine_salt(tenant, req.cache_salt)
+
+
+@router.get("/config")
+@answers
+async def kv_config(request: Request) -> Response:
+    context = context_of(request)
+    await context.ready_caller(request, admin=True)
+    return JSONResponse((await context.engine.ask(GetKVConfig())).to_dict())
+
+
+@router.post("/lookup")
+@answers
+async def kv_lookup(request: Request) -> Response:
+    req, salt = await _tokens_request(request)
+    return JSONResponse({"cached_tokens": await context_of(request).engine.ask(LookupKV(req.tokens, salt))})
+
+
+@router.post("/retrieve")
+@answers
+async def kv_retrieve(request: Request) -> Response:
+    req, salt = await _tokens_request(request)
+    kv = await context_of(request).engine.ask(RetrieveKV(req.tokens, salt))
+    if kv is None:
+        raise ProtocolError("not_found", "no whole chunk of these tokens is cached under this salt", "tokens")
+    return Response(encode_kv(kv), media_type=MEDIA_TYPE, headers={"x-cached-tokens": str(kv.shape[2])})
+
+
+@router.post("/store")
+@answers
+async def kv_store(request: Request) -> Response:
+    context = context_of(request)
+    tenant = await context.ready_caller(request, admin=True)
+    kv, tokens, cache_salt = decode_kv(await read_body(request, context.config.max_kv_bytes, "max_kv_bytes"))
+    if tokens is None:
+        raise invalid("body: the safetensors file has no tensor named 'tokens'", "tokens")
+    result = await context.engine.ask(StoreKV(kv, tokens, context.engine_salt(tenant, cache_salt)))
+    return JSONResponse(
+        {
+            "stored": result.stored_chunks > 0,
+            "stored_chunks": result.stored_chunks,
+            "deduplicated_chunks": result.deduplicated_chunks,
+        }
+    )

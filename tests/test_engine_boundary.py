@@ -1,0 +1,232 @@
+"""The engine's boundary under stress: slow submits, held-up KV replies, failing steps, full queues.
+
+The engine process's side (`EngineChild`) runs here in a thread over real socket pairs, so a
+test can hold up one channel and watch the other.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+
+from serve_app.engine.calls import RetrieveKV
+from serve_app.engine.child import EngineChild
+from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.messages import (
+    Accepted,
+    Call,
+    Deltas,
+    Health,
+    Ready,
+    Reply,
+    Shutdown,
+    Submit,
+    receive,
+    send,
+)
+from serve_app.engine.request import GenerateRequest
+from serve_app.errors import EngineOverloadedError
+
+OPTIONS = dict(kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=512)
+LONG_PROMPT = list(range(1, 449))  # 28 pages: its KV is far bigger than the call channel's socket buffer
+
+
+def _greedy(prompt: list[int] | None = None, max_tokens: int = 12, **extra) -> GenerateRequest:
+    return GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)
+
+
+class ChildOverSockets:
+    """An `EngineChild` serving in a thread; the test holds the host's ends of both channels."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        stream_host, stream_child = socket.socketpair()
+        call_host, call_child = socket.socketpair()
+        for end in (call_host, call_child):  # small buffers: a KV reply cannot fit in them
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.streams = Connection(stream_host.detach())
+        self.calls = Connection(call_host.detach())
+        child = EngineChild(engine, Connection(stream_child.detach()), Connection(call_child.detach()))
+        self.thread = threading.Thread(target=child.serve, daemon=True)
+        self.thread.start()
+        assert isinstance(receive(self.streams), Ready)
+
+    def next_stream_message(self, timeout: float) -> object:
+        if not self.streams.poll(timeout):
+            raise AssertionError(f"nothing on the stream channel for {timeout} s")
+        return receive(self.streams)
+
+    def finish_of(self, call_id: int, timeout: float = 30.0) -> tuple[int, list[int]]:
+        """Read the stream channel until the request of `call_id` has finished: (task id, its tokens)."""
+        deadline = time.monotonic() + timeout
+        task_id, tokens = None, []
+        while time.monotonic() < deadline:
+            message = self.next_stream_message(deadline - time.monotonic())
+            if isinstance(message, Accepted) and message.call_id == call_id:
+                task_id = message.task_id
+            if isinstance(message, Deltas):
+                for task, delta in message.items:
+                    if task == task_id:
+                        tokens.extend(delta.token_ids)
+                        if delta.finish_reason is not None:
+                            return task_id, tokens
+        raise AssertionError(f"request {call_id} did not finish in {timeout} s")
+
+    def close(self) -> None:
+        send(self.streams, Shutdown())
+        self.thread.join(30)
+
+
+@pytest.fixture
+def engine(tiny_llama_path: Path) -> Iterator[InferenceEngine]:
+    eng = InferenceEngine(model=str(tiny_llama_path), **OPTIONS)
+    yield eng
+    eng.shutdown()
+
+
+def test_streams_keep_flowing_while_a_kv_reply_waits_to_be_read(engine: InferenceEngine) -> None:
+    child = ChildOverSockets(engine)
+    try:
+        send(child.streams, Submit(1, _greedy(LONG_PROMPT, 1)))
+        child.finish_of(1)
+        send(child.calls, Call(2, RetrieveKV(LONG_PROMPT)))  # its reply is never read until the end
+        time.sleep(0.5)  # the engine has started sending it and is blocked
+        send(child.streams, Submit(3, _greedy([5, 6, 7], 30)))
+        _, tokens = child.finish_of(3)
+        assert len(tokens) == 30
+        reply = receive(child.calls)
+        assert isinstance(reply, Reply) and reply.ok and reply.value.shape[2] == len(LONG_PROMPT)
+    finally:
+        child.close()
+
+
+def test_streams_keep_flowing_while_a_submit_is_tokenized(engine: InferenceEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizing = threading.Event()
+    release = threading.Event()
+    encode_chat = engine.tokenizer.encode_chat
+
+    def slow_encode_chat(messages, add_generation_prompt=True):
+        tokenizing.set()
+        assert release.wait(30)
+        return encode_chat(messages, add_generation_prompt)
+
+    monkeypatch.setattr(engine.tokenizer, "encode_chat", slow_encode_chat)
+    child = ChildOverSockets(engine)
+    try:
+        send(child.streams, Submit(1, _greedy([5, 6, 7], 40)))
+        assert isinstance(child.next_stream_message(30), Accepted)
+        chat = GenerateRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0)
+        send(child.streams, Submit(2, chat))
+        assert tokenizing.wait(30)
+        # The first request finishes while the second is still being tokenized.
+        deltas = 0
+        while True:
+            message = child.next_stream_message(30)
+            assert isinstance(message, Deltas), message
+            deltas += 1
+            if any(delta.finish_reason for _, delta in message.items):
+                break
+        assert deltas > 1 and not release.is_set()
+        release.set()
+        child.finish_of(2)
+    finally:
+        release.set()
+        child.close()
+
+
+def test_steps_that_keep_failing_make_the_engine_report_itself_unhealthy(
+    engine: InferenceEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert engine.healthy
+    child = ChildOverSockets(engine)
+
+    def broken_forward(batch, view):
+        raise RuntimeError("injected sticky device error")
+
+    monkeypatch.setattr(engine.runner, "forward", broken_forward)
+    try:
+        for call_id in range(1, 4):
+            send(child.streams, Submit(call_id, _greedy([5, 6, 7], 4)))
+            child.finish_of(call_id)
+        assert not engine.healthy
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            message = child.next_stream_message(deadline - time.monotonic())
+            if isinstance(message, Health) and not message.healthy:
+                break
+        else:
+            raise AssertionError("the engine process never reported itself unhealthy")
+    finally:
+        child.close()
+
+
+def test_one_failed_step_among_good_ones_keeps_the_engine_healthy(
+    engine: InferenceEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    forward = engine.runner.forward
+    failures = iter([True, False, True, False, True, False])
+
+    def sometimes_failing(batch, view):
+        if next(failures, False):
+            raise RuntimeError("injected one-off error")
+        return forward(batch, view)
+
+    monkeypatch.setattr(engine.runner, "forward", sometimes_failing)
+    for _ in range(3):
+        engine.submit(_greedy([5, 6, 7], 1)).wait(30)
+    assert engine.healthy
+
+
+def test_past_max_waiting_requests_a_submit_is_refused(tiny_llama_path: Path) -> None:
+    engine = InferenceEngine(model=str(tiny_llama_path), max_num_seqs=1, max_waiting_requests=2, **OPTIONS)
+    try:
+        running = engine.submit(_greedy([5, 6, 7], 400))
+        while engine.get_stats()["active_tasks"] == 0:
+            time.sleep(0.01)
+        waiting = [engine.submit(_greedy([8, 9], 2)) for _ in range(2)]
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests=2"):
+            engine.submit(_greedy([8, 9], 2))
+        engine.abort(running.task_id)
+        assert running.wait(30).finish_reason == "cancelled"
+        assert [r.wait(30).finish_reason for r in waiting] == ["length", "length"]
+    finally:
+        engine.shutdown()
+
+
+def test_calls_are_bounded_and_one_that_timed_out_never_runs(tiny_llama_path: Path) -> None:
+    engine = InferenceEngine(model=str(tiny_llama_path), max_pending_calls=2, **OPTIONS)
+    scheduler = engine.scheduler
+    started, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def blocking() -> None:
+        started.set()
+        release.wait(30)
+
+    try:
+        blocker = threading.Thread(target=scheduler.call, args=(blocking,))
+        blocker.start()
+        assert started.wait(30)  # the scheduler thread is inside `blocking` now
+        with pytest.raises(TimeoutError, match="will not run"):
+            scheduler.call(lambda: ran.append("late"), timeout=0.2)
+        waiters = [threading.Thread(target=scheduler.call, args=(lambda: ran.append("queued"),)) for _ in range(2)]
+        for waiter in waiters:
+            waiter.start()
+        deadline = time.monotonic() + 10
+        while len(scheduler._calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(EngineOverloadedError, match="max_pending_calls=2"):
+            scheduler.call(lambda: ran.append("refused"))
+        release.set()
+        for thread in [blocker, *waiters]:
+            thread.join(30)
+        assert ran == ["queued", "queued"]
+    finally:
+        release.set()
+        engine.shutdown()
