@@ -1,6 +1,6 @@
 """Token dropping with the KV SDK: prefill long prompts, drop the middle half of each cached prefix, decode.
 
-Each prompt's cached KV is cut to its first and last quarter of chunks; K of the kept chunks is
+Each prompt's cached KV is cut to its first and last quarter of pages; K of the kept pages is
 re-rotated to the compacted positions and stored under the shorter token list; decoding then
 continues from the shorter cache. The same prompts also run without dropping (under another
 cache salt, so neither run reuses the other's cache), and the decode speed-up is printed.
@@ -34,14 +34,14 @@ from serve_app.model.tokenizer import Tokenizer
 
 
 def drop_middle(config: KVConfig):
-    """A modify function keeping the first and last quarter of the chunks, K moved to the new positions."""
+    """A modify function keeping the first and last quarter of the pages, K moved to the new positions."""
 
     def modify(kv: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
-        chunk = config.chunk_size
-        n_chunks = len(tokens) // chunk
-        quarter = max(1, n_chunks // 4)
-        kept_chunks = [*range(quarter), *range(max(quarter, n_chunks - quarter), n_chunks)]
-        kept = [c * chunk + i for c in kept_chunks for i in range(chunk)]
+        size = config.page_size
+        n_pages = len(tokens) // size
+        quarter = max(1, n_pages // 4)
+        kept_pages = [*range(quarter), *range(max(quarter, n_pages - quarter), n_pages)]
+        kept = [p * size + i for p in kept_pages for i in range(size)]
         compact = rerotate_k(kv[:, :, kept], kept, range(len(kept)), config)
         return compact, [tokens[i] for i in kept]
 

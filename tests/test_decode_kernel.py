@@ -56,7 +56,7 @@ def test_kernel_matches_sdpa_over_the_gathered_context(kernel: DecodeKernel, n_h
     query = torch.randn(len(lengths), n_heads, 64)
     assert view.decode is not None and view.decode.context_lens.tolist() == [n + 1 for n in lengths]
 
-    got = kernel(query, cache.storage.k[1], cache.storage.v[1], view.decode.block_tables, view.decode.context_lens, 0.125)
+    got = kernel(query, cache.storage.k[1], cache.storage.v[1], view.decode.page_tables, view.decode.context_lens, 0.125)
 
     for row, task_pages in enumerate(cache.tasks[t].pages for t in range(len(lengths))):
         n = lengths[row] + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -99,6 +100,36 @@ def test_async_consumer_that_stops_early_cancels(engine: InferenceEngine) -> Non
     after = wait_idle(engine.get_stats, timeout=10)
     assert after["total_tasks"] == before["total_tasks"] + 1
     assert after["total_tokens"] - before["total_tokens"] < 400  # cut short, not run to max_tokens
+
+
+def test_an_async_submit_whose_caller_leaves_leaves_nothing_running(
+    engine: InferenceEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = engine.get_stats()
+    tokenizing, release = threading.Event(), threading.Event()
+    encode = engine.tokenizer.encode
+
+    def slow_encode(text: str) -> list[int]:
+        tokenizing.set()
+        assert release.wait(30)
+        return encode(text)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", slow_encode)
+
+    async def leave_while_tokenizing() -> None:
+        request = GenerateRequest(prompt="Go on and on:", max_tokens=400, ignore_eos=True)
+        submitting = asyncio.create_task(engine.submit_async(request))
+        while not tokenizing.is_set():
+            await asyncio.sleep(0.005)
+        submitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submitting
+        release.set()  # the submit now queues the request, which must be aborted
+
+    asyncio.run(leave_while_tokenizing())
+    after = wait_idle(engine.get_stats, timeout=10)
+    assert after["total_tasks"] - before["total_tasks"] == 1
+    assert after["total_tokens"] - before["total_tokens"] < 400  # aborted, not run to max_tokens
 
 
 @pytest.mark.parametrize(

@@ -122,12 +122,12 @@ def test_the_engine_process_pushes_its_stats(process: EngineProcess) -> None:
 def test_cached_kv_crosses_the_process(process: EngineProcess, config: EngineConfig) -> None:
     prompt = list(range(200, 248))
     process.submit(_greedy(prompt, 1)).wait(60)
-    assert process.answer(GetKVConfig()).chunk_size == 16
+    assert process.answer(GetKVConfig()).page_size == 16
     assert process.answer(LookupKV(prompt)) == 48
     kv = process.answer(RetrieveKV(prompt))
     assert isinstance(kv, torch.Tensor) and kv.shape[2] == 48
     other = process.answer(StoreKV(kv, prompt, cache_salt="elsewhere"))
-    assert (other.stored_chunks, other.deduplicated_chunks) == (3, 0)
+    assert (other.stored_pages, other.deduplicated_pages) == (3, 0)
     assert torch.equal(process.answer(RetrieveKV(prompt, cache_salt="elsewhere")), kv)
     with pytest.raises(InvalidRequestError) as bad:
         process.answer(StoreKV(kv[:, :, :20], prompt))

@@ -11,13 +11,13 @@ from serve_app.kvsdk import rerotate_k
 from tests.prompts import _PASSAGE
 from tests.references import ReferenceModel
 
-CHUNK = 16
+PAGE = 16
 
 
 @pytest.fixture(scope="module")
 def prompt(engine: InferenceEngine) -> list[int]:
     ids = engine.tokenizer.encode(_PASSAGE * 2 + "The keeper")
-    assert len(ids) % CHUNK != 0 and len(ids) > 6 * CHUNK
+    assert len(ids) % PAGE != 0 and len(ids) > 6 * PAGE
     return ids
 
 
@@ -31,8 +31,8 @@ def greedy(engine: InferenceEngine, ids: list[int], salt: str, max_tokens: int =
 def test_config_describes_the_cache(engine: InferenceEngine) -> None:
     config = engine.kv_config()
     shape = engine.runner.kv_shape
-    assert (config.chunk_size, config.n_layers, config.n_kv_heads, config.head_dim) == (
-        CHUNK, shape.n_layers, shape.n_kv_heads, shape.head_dim,
+    assert (config.page_size, config.n_layers, config.n_kv_heads, config.head_dim) == (
+        PAGE, shape.n_layers, shape.n_kv_heads, shape.head_dim,
     )
     assert config.dtype == "float32" and config.rotary_dim == shape.head_dim
     assert len(config.rope_inv_freq) == shape.head_dim // 2 and config.rope_inv_freq[0] == pytest.approx(1.0)
@@ -40,7 +40,7 @@ def test_config_describes_the_cache(engine: InferenceEngine) -> None:
 
 def test_retrieved_kv_equals_transformers(engine: InferenceEngine, reference: ReferenceModel, prompt: list[int]) -> None:
     greedy(engine, prompt, "retrieve", max_tokens=1)
-    cached = len(prompt) // CHUNK * CHUNK
+    cached = len(prompt) // PAGE * PAGE
     assert engine.kv_lookup(prompt, "retrieve") == cached
     kv = engine.kv_retrieve(prompt, "retrieve")
     shape = engine.runner.kv_shape
@@ -49,11 +49,11 @@ def test_retrieved_kv_equals_transformers(engine: InferenceEngine, reference: Re
     torch.testing.assert_close(kv, reference.kv(prompt[:cached]), atol=2e-4, rtol=1e-4)
 
 
-def test_nothing_cached_under_another_salt_or_under_a_chunk(engine: InferenceEngine, prompt: list[int]) -> None:
+def test_nothing_cached_under_another_salt_or_under_a_page(engine: InferenceEngine, prompt: list[int]) -> None:
     greedy(engine, prompt, "seen", max_tokens=1)
     assert engine.kv_lookup(prompt, "never-used") == 0
     assert engine.kv_retrieve(prompt, "never-used") is None
-    assert engine.kv_retrieve(prompt[: CHUNK - 1], "seen") is None
+    assert engine.kv_retrieve(prompt[: PAGE - 1], "seen") is None
 
 
 def test_round_trip_to_another_salt_is_all_hits_and_greedy_equal(
@@ -92,11 +92,11 @@ def test_store_deduplicates_and_checks_its_input(engine: InferenceEngine, prompt
     assert kv is not None
     stored = kv.shape[2]
     assert engine.kv_store(kv, prompt[:stored], "dedup") is False
-    result = engine.kv_store_chunks(kv, prompt[:stored], "dedup")
-    assert (result.stored_chunks, result.deduplicated_chunks) == (0, stored // CHUNK)
-    # A partial chunk at the end is cut off, not stored.
-    assert engine.kv_store_chunks(kv[:, :, : CHUNK + 3], prompt[: CHUNK + 3], "partial").stored_chunks == 1
-    assert engine.kv_lookup(prompt, "partial") == CHUNK
+    result = engine.kv_store_pages(kv, prompt[:stored], "dedup")
+    assert (result.stored_pages, result.deduplicated_pages) == (0, stored // PAGE)
+    # A partial page at the end is cut off, not stored.
+    assert engine.kv_store_pages(kv[:, :, : PAGE + 3], prompt[: PAGE + 3], "partial").stored_pages == 1
+    assert engine.kv_lookup(prompt, "partial") == PAGE
     with pytest.raises(ValueError, match="tokens: .* tokens for KV of"):
         engine.kv_store(kv, prompt[: stored - 1], "x")
     with pytest.raises(ValueError, match="kv: shape"):

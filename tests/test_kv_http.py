@@ -28,7 +28,7 @@ from serve_app.kvsdk import (
 from tests.inprocess import MODEL, InProcessServer, engine_server
 from tests.prompts import _PASSAGE
 
-CHUNK = 16
+PAGE = 16
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 MAX_KV_BYTES = 16 * 2**20
@@ -58,13 +58,13 @@ def post(server: InProcessServer):
 @pytest.fixture(scope="module")
 def prompt(engine: InferenceEngine) -> list[int]:
     ids = engine.tokenizer.encode(_PASSAGE * 2 + "One night, the keeper")
-    assert len(ids) % CHUNK != 0
+    assert len(ids) % PAGE != 0
     return ids
 
 
 def test_config_route_matches_the_engine(ctx: KVContext, engine: InferenceEngine) -> None:
     assert ctx.config == engine.kv_config()
-    assert ctx.chunk_size == CHUNK
+    assert ctx.page_size == PAGE
 
 
 def test_lookup_retrieve_store_round_trip(
@@ -72,14 +72,14 @@ def test_lookup_retrieve_store_round_trip(
 ) -> None:
     out = post(prompt, {"max_tokens": 1, **GREEDY}, "http-a")
     assert len(out.token_ids) == 1 and out.metrics.input_tokens == len(prompt)
-    cached = len(prompt) // CHUNK * CHUNK
+    cached = len(prompt) // PAGE * PAGE
     assert ctx.lookup(prompt, "http-a") == cached
     kv = ctx.retrieve(prompt, "http-a")
     # The server derives the engine's salt from the caller and the client's salt.
     assert engine.kv_retrieve(prompt, "http-a") is None
     assert kv is not None and torch.equal(kv, engine.kv_retrieve(prompt, context.tenants.cache_salt(OPEN, "http-a")))
-    assert ctx.store_chunks(kv, prompt[:cached], "http-b") == {
-        "stored": True, "stored_chunks": cached // CHUNK, "deduplicated_chunks": 0,
+    assert ctx.store_pages(kv, prompt[:cached], "http-b") == {
+        "stored": True, "stored_pages": cached // PAGE, "deduplicated_pages": 0,
     }
     assert ctx.store(kv, prompt[:cached], "http-b") is False
     assert ctx.lookup(prompt, "http-b") == cached
@@ -142,7 +142,7 @@ def test_identity_modify_keeps_the_greedy_output(ctx: KVContext, post, prompt: l
     modified = create_request(ctx, post, prompt, cache_salt="identity-a")
     modified.generate({"max_tokens": 1, **GREEDY})
     metrics = modified.modify_kv(lambda kv, tokens: (kv, tokens))
-    cached = len(prompt) // CHUNK * CHUNK
+    cached = len(prompt) // PAGE * PAGE
     assert metrics.input_tokens == cached and modified.tokens == prompt[:cached]
     assert modified.suffix_tokens == prompt[cached:] + modified.decoded_tokens
     modified.generate({"max_tokens": 10, **GREEDY})
@@ -159,17 +159,17 @@ def test_modified_prefix_is_read_and_only_the_suffix_prefilled(
     stream = create_request(ctx, post, prompt, cache_salt="drop-one")
     stream.generate({"max_tokens": 1, **GREEDY})
 
-    def drop_first_chunk(kv: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
-        return kv[:, :, CHUNK:], tokens[CHUNK:]
+    def drop_first_page(kv: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, list[int]]:
+        return kv[:, :, PAGE:], tokens[PAGE:]
 
-    stream.modify_kv(drop_first_chunk)
+    stream.modify_kv(drop_first_page)
     suffix = list(stream.suffix_tokens)
     before = engine.get_stats()
     metrics = stream.generate({"max_tokens": 4, **GREEDY})
     after = engine.get_stats()
-    assert metrics.input_tokens == len(prompt) - CHUNK + 1
+    assert metrics.input_tokens == len(prompt) - PAGE + 1
     assert after["prefill_tokens"] - before["prefill_tokens"] == len(suffix)
-    assert stream.tokens[: len(prompt) - CHUNK] == prompt[CHUNK:]
+    assert stream.tokens[: len(prompt) - PAGE] == prompt[PAGE:]
 
 
 def test_batched_stream_runs_phases(ctx: KVContext, post, prompt: list[int], capsys: pytest.CaptureFixture) -> None:
@@ -177,7 +177,7 @@ def test_batched_stream_runs_phases(ctx: KVContext, post, prompt: list[int], cap
     prefill = batch.prefill({"temperature": 0, "max_tokens": 50})
     assert prefill.output_tokens == 3 and len(prefill.streams) == 3
     modify = batch.modify(lambda kv, tokens: (kv, tokens))
-    assert modify.input_tokens == sum(len(prompt[: 40 + 9 * i]) // CHUNK * CHUNK for i in range(3))
+    assert modify.input_tokens == sum(len(prompt[: 40 + 9 * i]) // PAGE * PAGE for i in range(3))
     decode = batch.decode({"max_tokens": 5, **GREEDY})
     assert decode.output_tokens == 15
     for key in decode.streams:
@@ -196,7 +196,7 @@ def test_stream_failures_raise_with_the_stream_id(ctx: KVContext, post, prompt: 
     assert failure.value.request_stream_id == stream.request_stream_id and "max_tokens" in str(failure.value)
     short = create_request(ctx, post, prompt[:5], cache_salt="too-short")
     short.generate({"max_tokens": 1, **GREEDY})
-    with pytest.raises(RequestStreamError, match="no whole chunk"):
+    with pytest.raises(RequestStreamError, match="no whole page"):
         short.retrieve(timeout=0.5)
 
 

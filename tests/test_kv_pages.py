@@ -129,7 +129,7 @@ def test_a_store_that_fails_midway_gives_every_page_back(monkeypatch: pytest.Mon
     transfer = KVTransfer(cache, vocab_size=1000)
     tokens = list(range(12))
     kv = torch.randn(2, SHAPE.n_layers, 12, SHAPE.n_kv_heads * SHAPE.head_dim)
-    assert transfer.store(kv[:, :, :4], tokens[:4], "").stored_chunks == 1  # the first chunk is cached
+    assert transfer.store(kv[:, :, :4], tokens[:4], "").stored_pages == 1  # the first page is cached
     free = cache.usage().free
     publish = cache.pool.publish
     published: list[int] = []

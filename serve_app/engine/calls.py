@@ -29,12 +29,12 @@ class GetStats:
 
 @dataclass(frozen=True)
 class GetKVConfig:
-    """What a KV tensor means: chunk size, geometry, dtype, RoPE (answers a `KVConfig`)."""
+    """What a KV tensor means: page size, geometry, dtype, RoPE (answers a `KVConfig`)."""
 
 
 @dataclass(frozen=True)
 class LookupKV:
-    """How many leading tokens of `tokens`, in whole chunks, are cached under `cache_salt`."""
+    """How many leading tokens of `tokens`, in whole pages, are cached under `cache_salt`."""
 
     tokens: list[int]
     cache_salt: str = ""
@@ -42,7 +42,7 @@ class LookupKV:
 
 @dataclass(frozen=True)
 class RetrieveKV:
-    """The KV of the longest cached whole-chunk prefix of `tokens` (None under one chunk)."""
+    """The KV of the longest cached whole-page prefix of `tokens` (None under one page)."""
 
     tokens: list[int]
     cache_salt: str = ""

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
@@ -114,8 +115,27 @@ class InferenceEngine:
         return result
 
     async def submit_async(self, request: GenerateRequest) -> GenerateResult:
-        """`submit` for asyncio callers (the same call here; `EngineProcess` awaits its engine's answer)."""
-        return self.submit(request)
+        """`submit` off the event loop (it tokenizes). A caller cancelled meanwhile leaves nothing running."""
+        gone = threading.Event()
+
+        def submit() -> GenerateResult:
+            result = self.submit(request)
+            if gone.is_set():
+                self.abort(result.task_id)
+            return result
+
+        submitting = asyncio.ensure_future(asyncio.to_thread(submit))
+        try:
+            return await asyncio.shield(submitting)
+        except asyncio.CancelledError:
+            gone.set()
+            submitting.add_done_callback(self._abort_submitted)
+            raise
+
+    def _abort_submitted(self, submitting: asyncio.Future) -> None:
+        """A submit whose caller left after it began: abort what it queued (a second abort is harmless)."""
+        if not submitting.cancelled() and submitting.exception() is None:
+            self.abort(submitting.result().task_id)
 
     def _check_lengths(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """The request's token budget; the prompt and `max_tokens` must fit the context and the cache."""
@@ -166,7 +186,7 @@ class InferenceEngine:
             case RetrieveKV(tokens, cache_salt):
                 return self.kv_retrieve(tokens, cache_salt)
             case StoreKV(kv, tokens, cache_salt):
-                return self.kv_store_chunks(kv, tokens, cache_salt)
+                return self.kv_store_pages(kv, tokens, cache_salt)
         raise TypeError(f"not an engine call: {call!r}")
 
     async def answer_async(self, call: EngineCall) -> Any:
@@ -218,12 +238,12 @@ class InferenceEngine:
 
     # -- cached KV (the KV SDK) -------------------------------------------------------------------
     def kv_config(self) -> KVConfig:
-        """Chunk size, KV geometry and dtype, and the RoPE settings K was rotated with."""
+        """Page size, KV geometry and dtype, and the RoPE settings K was rotated with."""
         transfer = self._kv_transfer()
         shape = self.runner.kv_shape
         rope_type, theta, inv_freq = self.runner.rotary()
         return KVConfig(
-            chunk_size=transfer.chunk_size,
+            page_size=transfer.page_size,
             n_layers=shape.n_layers,
             n_kv_heads=shape.n_kv_heads,
             head_dim=shape.head_dim,
@@ -235,21 +255,21 @@ class InferenceEngine:
         )
 
     def kv_lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
-        """How many leading tokens of `tokens`, in whole chunks, are in the prefix cache."""
+        """How many leading tokens of `tokens`, in whole pages, are in the prefix cache."""
         transfer, ids = self._kv_transfer(), _token_list(tokens)
         return self.scheduler.call(lambda: transfer.lookup(ids, cache_salt))
 
     def kv_retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
-        """`[2, n_layers, T, n_kv_heads * head_dim]` for the longest cached whole-chunk prefix; None under a chunk."""
+        """`[2, n_layers, T, n_kv_heads * head_dim]` for the longest cached whole-page prefix; None under a page."""
         transfer, ids = self._kv_transfer(), _token_list(tokens)
         return self.scheduler.call(lambda: transfer.retrieve(ids, cache_salt))
 
     def kv_store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
-        """Cache `kv` as the KV of `tokens` (whole chunks); False when every chunk was cached already."""
-        return self.kv_store_chunks(kv, tokens, cache_salt).stored_chunks > 0
+        """Cache `kv` as the KV of `tokens` (whole pages); False when every page was cached already."""
+        return self.kv_store_pages(kv, tokens, cache_salt).stored_pages > 0
 
-    def kv_store_chunks(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> StoreResult:
-        """As `kv_store`, answering how many chunks were stored and how many were already cached."""
+    def kv_store_pages(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> StoreResult:
+        """As `kv_store`, answering how many pages were stored and how many were already cached."""
         transfer, ids = self._kv_transfer(), _token_list(tokens)
         transfer.check(kv, ids)
         return self.scheduler.call(lambda: transfer.store(kv, ids, cache_salt))

@@ -196,7 +196,7 @@ class EngineProcess:
         self._calls.close()
 
     # -- the wire ----------------------------------------------------------------------------
-    def _request(self, message: Any, writer: _Writer) -> Future:
+    def _request(self, message: Callable[[int], ToEngine], writer: _Writer) -> Future:
         future: Future = Future()
         call_id = next(self._ids)
         with self._lock:

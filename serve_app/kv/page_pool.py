@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from serve_app.kv.allocator import Allocator
-from serve_app.kv.prefix_cache import PageHash, PrefixCache, chunk_hashes
+from serve_app.kv.prefix_cache import PageHash, PrefixCache, page_hashes
 
 
 class PagePool:
@@ -28,7 +28,7 @@ class PagePool:
         """Take a reference to each cached leading full page (at most `max_pages`); return them and the last hash."""
         pages: list[int] = []
         parent: PageHash | None = None
-        for page_hash in chunk_hashes(tokens, self.page_size, cache_salt, max_pages):
+        for page_hash in page_hashes(tokens, self.page_size, cache_salt, max_pages):
             page = self.prefix_cache.lookup(page_hash)
             if page is None:
                 break

@@ -20,7 +20,7 @@ def chain_hash(parent: PageHash | None, tokens: Sequence[int], cache_salt: str) 
     return digest.digest()
 
 
-def chunk_hashes(tokens: Sequence[int], page_size: int, cache_salt: str, limit: int | None = None) -> Iterator[PageHash]:
+def page_hashes(tokens: Sequence[int], page_size: int, cache_salt: str, limit: int | None = None) -> Iterator[PageHash]:
     """The chained hash of each whole page of `tokens` in order (at most `limit` of them)."""
     parent: PageHash | None = None
     count = len(tokens) // page_size if limit is None else min(limit, len(tokens) // page_size)

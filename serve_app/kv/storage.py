@@ -1,4 +1,4 @@
-"""Storage: the k and v tensors, `[n_layers, n_blocks, block_len, n_kv_heads, head_dim]` each."""
+"""Storage: the k and v tensors, `[n_layers, n_pages, page_size, n_kv_heads, head_dim]` each."""
 
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ class KVShape:
 
 
 class Storage:
-    """Owns the cache tensors. A block is a page of the paged cache (or a piece of a contiguous slot)."""
+    """Owns the cache tensors. A page holds `page_size` tokens: a page of the paged cache, or a piece of a contiguous slot."""
 
-    def __init__(self, shape: KVShape, n_blocks: int, block_len: int, device: torch.device) -> None:
+    def __init__(self, shape: KVShape, n_pages: int, page_size: int, device: torch.device) -> None:
         self.shape = shape
-        self.n_blocks = n_blocks
-        self.block_len = block_len
+        self.n_pages = n_pages
+        self.page_size = page_size
         self.device = device
-        dims = (shape.n_layers, n_blocks, block_len, shape.n_kv_heads, shape.head_dim)
+        dims = (shape.n_layers, n_pages, page_size, shape.n_kv_heads, shape.head_dim)
         self.k = torch.zeros(dims, dtype=shape.dtype, device=device)
         self.v = torch.zeros(dims, dtype=shape.dtype, device=device)
 
@@ -46,7 +46,7 @@ class Storage:
         return self.shape.dtype
 
     def flat_k(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s k as [n_blocks * block_len, n_kv_heads, head_dim] (one row per token slot)."""
+        """Layer `layer`'s k as [n_pages * page_size, n_kv_heads, head_dim] (one row per token slot)."""
         return self.k[layer].view(-1, self.n_kv_heads, self.head_dim)
 
     def flat_v(self, layer: int) -> torch.Tensor:

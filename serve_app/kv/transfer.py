@@ -1,7 +1,7 @@
 """KVTransfer: read and write a paged cache's prefix pages by token ids (the KV SDK's engine side).
 
 KV travels as one tensor `[2, n_layers, T, n_kv_heads * head_dim]` (k then v; k after RoPE) for
-the first `T` tokens, `T` a whole number of chunks (pages). Stored chunks are published in the
+the first `T` tokens, `T` a whole number of pages. Stored pages are published in the
 prefix cache as a prefill's pages would be, so a request whose prompt starts with those tokens
 reads them instead of computing them. Every method runs on the scheduler thread.
 """
@@ -15,19 +15,19 @@ import torch
 
 from serve_app.errors import CacheFullError, InvalidRequestError
 from serve_app.kv.page_cache import PageCache
-from serve_app.kv.prefix_cache import chunk_hashes
+from serve_app.kv.prefix_cache import page_hashes
 
 
 @dataclass(frozen=True)
 class KVConfig:
-    """What a KV tensor means: chunking, geometry, dtype, and the model's rotary embedding.
+    """What a KV tensor means: its page size, geometry, dtype, and the model's rotary embedding.
 
     `rope_inv_freq` holds the rotary frequencies of each of the `rotary_dim / 2` pairs of a head
     (pairs are `(i, i + rotary_dim / 2)`, as in Hugging Face models), so K can be moved to other
     positions whatever the RoPE variant.
     """
 
-    chunk_size: int
+    page_size: int
     n_layers: int
     n_kv_heads: int
     head_dim: int
@@ -51,14 +51,14 @@ class KVConfig:
 
 @dataclass(frozen=True)
 class StoreResult:
-    """How many chunks a store wrote, and how many were already cached (and skipped)."""
+    """How many pages a store wrote, and how many were already cached (and skipped)."""
 
-    stored_chunks: int
-    deduplicated_chunks: int
+    stored_pages: int
+    deduplicated_pages: int
 
 
 class KVTransfer:
-    """Lookup, retrieval and storage of whole-chunk token prefixes in a `PageCache`."""
+    """Lookup, retrieval and storage of whole-page token prefixes in a `PageCache`."""
 
     def __init__(self, cache: PageCache, vocab_size: int) -> None:
         self.cache = cache
@@ -67,12 +67,12 @@ class KVTransfer:
         self.row_width = shape.n_kv_heads * shape.head_dim
 
     @property
-    def chunk_size(self) -> int:
+    def page_size(self) -> int:
         return self.cache.page_size
 
     def _cached_pages(self, tokens: Sequence[int], cache_salt: str) -> list[int]:
         pages: list[int] = []
-        for page_hash in chunk_hashes(tokens, self.chunk_size, cache_salt):
+        for page_hash in page_hashes(tokens, self.page_size, cache_salt):
             page = self.cache.pool.prefix_cache.lookup(page_hash)
             if page is None:
                 break
@@ -80,18 +80,18 @@ class KVTransfer:
         return pages
 
     def lookup(self, tokens: Sequence[int], cache_salt: str) -> int:
-        """How many leading tokens, in whole chunks, are cached."""
-        return len(self._cached_pages(tokens, cache_salt)) * self.chunk_size
+        """How many leading tokens, in whole pages, are cached."""
+        return len(self._cached_pages(tokens, cache_salt)) * self.page_size
 
     def retrieve(self, tokens: Sequence[int], cache_salt: str) -> torch.Tensor | None:
-        """The KV of the longest cached whole-chunk prefix of `tokens`, on the CPU; None under one chunk."""
+        """The KV of the longest cached whole-page prefix of `tokens`, on the CPU; None under one page."""
         pages = self._cached_pages(tokens, cache_salt)
         if not pages:
             return None
         storage = self.cache.storage
         index = torch.tensor(pages, dtype=torch.long, device=storage.device)
         n_layers = storage.shape.n_layers
-        length = len(pages) * self.chunk_size
+        length = len(pages) * self.page_size
         k = storage.k.index_select(1, index).reshape(n_layers, length, self.row_width)
         v = storage.v.index_select(1, index).reshape(n_layers, length, self.row_width)
         return torch.stack([k, v]).cpu()
@@ -114,23 +114,23 @@ class KVTransfer:
             raise InvalidRequestError("tokens", f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str) -> StoreResult:
-        """Write the whole chunks of `kv` under `tokens`; chunks already cached are skipped."""
+        """Write the whole pages of `kv` under `tokens`; pages already cached are skipped."""
         self.check(kv, tokens)
-        size = self.chunk_size
+        size = self.page_size
         pool = self.cache.pool
-        hashes = list(chunk_hashes(tokens, size, cache_salt))
+        hashes = list(page_hashes(tokens, size, cache_salt))
         cached = [pool.prefix_cache.lookup(page_hash) for page_hash in hashes]
         missing = [i for i, page in enumerate(cached) if page is None]
         if not missing:
             return StoreResult(0, len(hashes))
-        # Hold the chunks already cached while allocating, so that eviction cannot take them.
+        # Hold the pages already cached while allocating, so that eviction cannot take them.
         for page in cached:
             if page is not None:
                 pool.allocator.retain(page)
         pages = pool.allocate(len(missing), keep_free=self.cache.reserve_pages)
         if pages is None:
             pool.release([page for page in cached if page is not None])
-            raise CacheFullError(f"the cache has too few free pages to store {len(missing)} chunks now")
+            raise CacheFullError(f"the cache has too few free pages to store {len(missing)} pages now")
         chain = list(cached)
         for index, page in zip(missing, pages):
             chain[index] = page
@@ -138,10 +138,10 @@ class KVTransfer:
             storage = self.cache.storage
             shape = storage.shape
             whole = len(hashes) * size
-            chunks = kv[:, :, :whole].to(storage.device).reshape(2, shape.n_layers, -1, size, shape.n_kv_heads, shape.head_dim)
+            by_page = kv[:, :, :whole].to(storage.device).reshape(2, shape.n_layers, -1, size, shape.n_kv_heads, shape.head_dim)
             for index, page in zip(missing, pages):
-                storage.k[:, page].copy_(chunks[0, :, index])
-                storage.v[:, page].copy_(chunks[1, :, index])
+                storage.k[:, page].copy_(by_page[0, :, index])
+                storage.v[:, page].copy_(by_page[1, :, index])
                 pool.publish(page, hashes[index])
         finally:
             # Whatever happened, every page goes back: published ones stay cached, the rest are free.

@@ -27,12 +27,12 @@ class BatchEntry:
 class DecodeRows:
     """The step's decode rows (the first `num_seqs` rows of the batch), one new token each.
 
-    `block_tables` [S, max_blocks] lists each sequence's storage blocks in order (padded with
-    block 0); `context_lens` [S] is how many tokens each one attends to, its new token included.
+    `page_tables` [S, max_pages] lists each sequence's storage pages in order (padded with
+    page 0); `context_lens` [S] is how many tokens each one attends to, its new token included.
     """
 
     num_seqs: int
-    block_tables: torch.Tensor
+    page_tables: torch.Tensor
     context_lens: torch.Tensor
 
 
@@ -40,7 +40,7 @@ class DecodeRows:
 class AttentionGroup:
     """Rows of the packed batch whose attention runs as one SDPA call over a gathered context.
 
-    `blocks` [S, n_blocks] indexes storage blocks; the gathered context is cut to `context_len`.
+    `pages` [S, n_pages] indexes storage pages; the gathered context is cut to `context_len`.
     `mask` [S, 1, q_len, context_len] is True where a query may attend; None means plain causal.
     `context_is_new` says the context is exactly these rows' own k/v (a prefill from position
     0), so it needs no gather.
@@ -49,7 +49,7 @@ class AttentionGroup:
     rows: slice
     num_seqs: int
     q_len: int
-    blocks: torch.Tensor
+    pages: torch.Tensor
     context_len: int
     mask: torch.Tensor | None
     context_is_new: bool = False
@@ -65,12 +65,12 @@ class KVCacheView:
     and reused by every layer.
     """
 
-    def __init__(self, storage: Storage, entries: Sequence[BatchEntry], block_tables: Sequence[Sequence[int]]) -> None:
+    def __init__(self, storage: Storage, entries: Sequence[BatchEntry], page_tables: Sequence[Sequence[int]]) -> None:
         self.storage = storage
-        block_len = storage.block_len
+        page_size = storage.page_size
         self.write_slots = torch.tensor(
             [
-                block_tables[i][pos // block_len] * block_len + pos % block_len
+                page_tables[i][pos // page_size] * page_size + pos % page_size
                 for i, entry in enumerate(entries)
                 for pos in range(entry.start, entry.end)
             ],
@@ -81,22 +81,22 @@ class KVCacheView:
         if any(entry.num_new != 1 for entry in entries[:num_decode]):
             raise ValueError("decode entries must come first in the batch")
         self._decode_lengths = [entry.end for entry in entries[:num_decode]]
-        self.decode = self._decode_rows(block_tables[:num_decode]) if num_decode else None
+        self.decode = self._decode_rows(page_tables[:num_decode]) if num_decode else None
         self._decode_groups: list[AttentionGroup] | None = None
         self.prefill_groups: list[AttentionGroup] = []
         row = num_decode
-        for entry, table in zip(entries[num_decode:], block_tables[num_decode:]):
+        for entry, table in zip(entries[num_decode:], page_tables[num_decode:]):
             self.prefill_groups.append(self._prefill_group(row, entry, table))
             row += entry.num_new
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _decode_rows(self, tables: Sequence[Sequence[int]]) -> DecodeRows:
-        n_blocks = -(-max(self._decode_lengths) // self.storage.block_len)
-        padded = [list(t[:n_blocks]) + [0] * (n_blocks - min(len(t), n_blocks)) for t in tables]
+        n_pages = -(-max(self._decode_lengths) // self.storage.page_size)
+        padded = [list(t[:n_pages]) + [0] * (n_pages - min(len(t), n_pages)) for t in tables]
         device = self.storage.device
         return DecodeRows(
             num_seqs=len(tables),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            page_tables=torch.tensor(padded, dtype=torch.long, device=device),
             context_lens=torch.tensor(self._decode_lengths, dtype=torch.long, device=device),
         )
 
@@ -113,21 +113,21 @@ class KVCacheView:
         assert self.decode is not None
         lengths = self.decode.context_lens[start:stop]
         context_len = max(self._decode_lengths[start:stop])
-        n_blocks = -(-context_len // self.storage.block_len)
+        n_pages = -(-context_len // self.storage.page_size)
         mask = torch.arange(context_len, device=self.storage.device)[None, :] < lengths[:, None]
         return AttentionGroup(
             rows=slice(start, stop),
             num_seqs=stop - start,
             q_len=1,
-            blocks=self.decode.block_tables[start:stop, :n_blocks],
+            pages=self.decode.page_tables[start:stop, :n_pages],
             context_len=context_len,
             mask=mask[:, None, None, :],
         )
 
     def _prefill_group(self, row: int, entry: BatchEntry, table: Sequence[int]) -> AttentionGroup:
         device = self.storage.device
-        n_blocks = -(-entry.end // self.storage.block_len)
-        blocks = torch.tensor([list(table[:n_blocks])], dtype=torch.long, device=device)
+        n_pages = -(-entry.end // self.storage.page_size)
+        pages = torch.tensor([list(table[:n_pages])], dtype=torch.long, device=device)
         mask = None
         if entry.start > 0:
             query_pos = torch.arange(entry.start, entry.end, device=device)
@@ -136,7 +136,7 @@ class KVCacheView:
             rows=slice(row, row + entry.num_new),
             num_seqs=1,
             q_len=entry.num_new,
-            blocks=blocks,
+            pages=pages,
             context_len=entry.end,
             mask=mask,
             context_is_new=entry.start == 0,
@@ -150,9 +150,9 @@ class KVCacheView:
     def context(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's context k and v, gathered, as [S, n_kv_heads, context_len, head_dim] views."""
         k_buf, v_buf = self._buffer(group)
-        flat_blocks = group.blocks.reshape(-1)
-        torch.index_select(self.storage.k[layer], 0, flat_blocks, out=k_buf)
-        torch.index_select(self.storage.v[layer], 0, flat_blocks, out=v_buf)
+        flat_pages = group.pages.reshape(-1)
+        torch.index_select(self.storage.k[layer], 0, flat_pages, out=k_buf)
+        torch.index_select(self.storage.v[layer], 0, flat_pages, out=v_buf)
         shape = (group.num_seqs, -1, self.storage.n_kv_heads, self.storage.head_dim)
         k = k_buf.view(shape)[:, : group.context_len].transpose(1, 2)
         v = v_buf.view(shape)[:, : group.context_len].transpose(1, 2)
@@ -161,7 +161,7 @@ class KVCacheView:
     def _buffer(self, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
         key = group.rows.start  # groups never share rows
         if key not in self._buffers:
-            shape = (group.blocks.numel(), *self.storage.k.shape[2:])
+            shape = (group.pages.numel(), *self.storage.k.shape[2:])
             self._buffers[key] = (
                 torch.empty(shape, dtype=self.storage.dtype, device=self.storage.device),
                 torch.empty(shape, dtype=self.storage.dtype, device=self.storage.device),

@@ -33,16 +33,16 @@ class KVContext:
         self.config = KVConfig.from_dict(self._json(self._client.get("/v1/kv/config")))
 
     @property
-    def chunk_size(self) -> int:
-        return self.config.chunk_size
+    def page_size(self) -> int:
+        return self.config.page_size
 
     def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
-        """How many leading tokens, in whole chunks, are cached under `cache_salt`."""
+        """How many leading tokens, in whole pages, are cached under `cache_salt`."""
         body = {"tokens": list(tokens), "cache_salt": cache_salt}
         return int(self._json(self._client.post("/v1/kv/lookup", json=body))["cached_tokens"])
 
     def retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
-        """`[2, n_layers, T, n_kv_heads * head_dim]` for the longest cached whole-chunk prefix, or None."""
+        """`[2, n_layers, T, n_kv_heads * head_dim]` for the longest cached whole-page prefix, or None."""
         response = self._client.post("/v1/kv/retrieve", json={"tokens": list(tokens), "cache_salt": cache_salt})
         if response.status_code == 404:
             return None
@@ -51,11 +51,11 @@ class KVContext:
         return kv
 
     def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
-        """Cache `kv` as the KV of `tokens` (whole chunks); False when every chunk was cached already."""
-        return self.store_chunks(kv, tokens, cache_salt)["stored"]
+        """Cache `kv` as the KV of `tokens` (whole pages); False when every page was cached already."""
+        return self.store_pages(kv, tokens, cache_salt)["stored"]
 
-    def store_chunks(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> dict[str, int | bool]:
-        """As `store`, answering `stored`, `stored_chunks` and `deduplicated_chunks`."""
+    def store_pages(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> dict[str, int | bool]:
+        """As `store`, answering `stored`, `stored_pages` and `deduplicated_pages`."""
         body = encode_kv(kv.detach().cpu(), list(tokens), cache_salt)
         return self._json(self._client.post("/v1/kv/store", content=body, headers={"content-type": MEDIA_TYPE}))
 

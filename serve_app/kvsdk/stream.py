@@ -1,6 +1,6 @@
 """RequestStream: one stateful stream of passes over a prompt: prefill -> modify KV -> decode.
 
-The stream holds the tokens its next pass continues. `modify_kv` replaces the cached whole-chunk
+The stream holds the tokens its next pass continues. `modify_kv` replaces the cached whole-page
 prefix of those tokens by what a function makes of its KV; the uncached tail becomes the
 suffix, sent (and prefilled) with the next pass.
 """
@@ -72,11 +72,11 @@ class RequestStream:
         return output.metrics
 
     def retrieve(self, kind: str = "kv", timeout: float = 30.0, poll_interval: float = 0.2) -> torch.Tensor:
-        """The KV of the whole chunks of `tokens` that have been computed, once they are cached."""
+        """The KV of the whole pages of `tokens` that have been computed, once they are cached."""
         context = self._context(kind)
-        chunk = context.chunk_size
+        page = context.page_size
         # Every token but the last one generated has its KV computed.
-        expected = (len(self.tokens) - 1) // chunk * chunk
+        expected = (len(self.tokens) - 1) // page * page
         deadline = time.monotonic() + timeout
         try:
             while context.lookup(self.tokens, self.cache_salt) < expected and time.monotonic() < deadline:
@@ -85,11 +85,11 @@ class RequestStream:
         except Exception as error:
             raise RequestStreamError(self.request_stream_id, f"retrieve failed: {error}") from error
         if kv is None:
-            raise RequestStreamError(self.request_stream_id, f"no whole chunk of {len(self.tokens)} tokens is cached")
+            raise RequestStreamError(self.request_stream_id, f"no whole page of {len(self.tokens)} tokens is cached")
         return kv
 
     def update(self, kind: str, kv: torch.Tensor, tokens: Sequence[int]) -> bool:
-        """Store `kv` as the KV of `tokens`, which become the stream's tokens; True when a chunk was new."""
+        """Store `kv` as the KV of `tokens`, which become the stream's tokens; True when a page was new."""
         try:
             stored = self._context(kind).store(kv, tokens, self.cache_salt)
         except Exception as error:

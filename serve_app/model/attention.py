@@ -40,7 +40,7 @@ def kv_cache_attention(
     if decode is not None and decode_kernel is not None:
         output[: decode.num_seqs] = decode_kernel(
             queries[: decode.num_seqs], kv_view.storage.k[layer], kv_view.storage.v[layer],
-            decode.block_tables, decode.context_lens, scale,
+            decode.page_tables, decode.context_lens, scale,
         )
     elif decode is not None:
         n_kv_heads = key.shape[1]

@@ -1,6 +1,6 @@
 """The paged decode-attention kernel: `paged_decode.c`, built once per machine and called through ctypes.
 
-On CPU with float32 the decode rows of a step attend straight from the cache's blocks. The
+On CPU with float32 the decode rows of a step attend straight from the cache's pages. The
 torch path instead gathers every decode group's context into a padded copy, per layer, and
 runs SDPA over it; at 128 sequences that copy and the padding cost most of the attention time.
 The library is compiled with the system's C compiler (`$CC`, else `cc`) into
@@ -47,35 +47,35 @@ class DecodeKernel:
     def __call__(
         self,
         query: torch.Tensor,
-        k_blocks: torch.Tensor,
-        v_blocks: torch.Tensor,
-        block_tables: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        page_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         """Attention of `query` [S, n_heads, head_dim] over each sequence's first `context_lens` tokens.
 
-        `k_blocks`/`v_blocks` are one layer of the cache, [n_blocks, block_len, n_kv_heads,
-        head_dim]; `block_tables` [S, max_blocks] and `context_lens` [S] are int64.
+        `k_pages`/`v_pages` are one layer of the cache, [n_pages, page_size, n_kv_heads,
+        head_dim]; `page_tables` [S, max_pages] and `context_lens` [S] are int64.
         """
         query = query.contiguous()
         num_seqs, n_heads, head_dim = query.shape
-        n_blocks, block_len, n_kv_heads, kv_dim = k_blocks.shape
-        if kv_dim != head_dim or n_heads % n_kv_heads or v_blocks.shape != k_blocks.shape:
-            raise ValueError(f"decode kernel: query {tuple(query.shape)} does not fit k/v {tuple(k_blocks.shape)}")
-        for tensor in (query, k_blocks, v_blocks):
+        n_pages, page_size, n_kv_heads, kv_dim = k_pages.shape
+        if kv_dim != head_dim or n_heads % n_kv_heads or v_pages.shape != k_pages.shape:
+            raise ValueError(f"decode kernel: query {tuple(query.shape)} does not fit k/v {tuple(k_pages.shape)}")
+        for tensor in (query, k_pages, v_pages):
             if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
                 raise ValueError("decode kernel: query and k/v must be contiguous float32 CPU tensors")
-        for tensor in (block_tables, context_lens):
+        for tensor in (page_tables, context_lens):
             if tensor.dtype != torch.int64 or not tensor.is_contiguous():
-                raise ValueError("decode kernel: block tables and context lengths must be contiguous int64")
-        if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
-            raise ValueError("decode kernel: one block table and one context length per query row")
+                raise ValueError("decode kernel: page tables and context lengths must be contiguous int64")
+        if page_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+            raise ValueError("decode kernel: one page table and one context length per query row")
         out = torch.empty_like(query)
         status = self._function(
-            query.data_ptr(), k_blocks.data_ptr(), v_blocks.data_ptr(), block_tables.data_ptr(),
-            context_lens.data_ptr(), out.data_ptr(), num_seqs, n_heads, n_kv_heads, head_dim, block_len,
-            block_tables.shape[1], scale, torch.get_num_threads(),
+            query.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), page_tables.data_ptr(),
+            context_lens.data_ptr(), out.data_ptr(), num_seqs, n_heads, n_kv_heads, head_dim, page_size,
+            page_tables.shape[1], scale, torch.get_num_threads(),
         )
         if status != 0:
             raise MemoryError("decode kernel: could not allocate its score buffers")

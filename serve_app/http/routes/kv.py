@@ -52,7 +52,7 @@ async def kv_retrieve(request: Request) -> Response:
     req, salt = await _tokens_request(request)
     kv = await context_of(request).engine.ask(RetrieveKV(req.tokens, salt))
     if kv is None:
-        raise ProtocolError("not_found", "no whole chunk of these tokens is cached under this salt", "tokens")
+        raise ProtocolError("not_found", "no whole page of these tokens is cached under this salt", "tokens")
     return Response(encode_kv(kv), media_type=MEDIA_TYPE, headers={"x-cached-tokens": str(kv.shape[2])})
 
 
@@ -67,8 +67,8 @@ async def kv_store(request: Request) -> Response:
     result = await context.engine.ask(StoreKV(kv, tokens, context.engine_salt(tenant, cache_salt)))
     return JSONResponse(
         {
-            "stored": result.stored_chunks > 0,
-            "stored_chunks": result.stored_chunks,
-            "deduplicated_chunks": result.deduplicated_chunks,
+            "stored": result.stored_pages > 0,
+            "stored_pages": result.stored_pages,
+            "deduplicated_pages": result.deduplicated_pages,
         }
     )
