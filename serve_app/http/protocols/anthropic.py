@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.engine.request import GenerateRequest, StreamDelta, Usage
 from serve_app.engine.sampling_params import SamplingParams
+from serve_app.http.engine_client import ModelInfo
 from serve_app.http.protocols.base import (
     Choice,
-    ModelInfo,
     PreparedRequest,
     ResponseBuilder,
     sse,

@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from serve_app.engine.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
 from serve_app.engine.sampling_params import SamplingParams
+from serve_app.http.engine_client import ModelInfo
 from serve_app.http.protocols.base import (
     Choice,
-    ModelInfo,
     PreparedRequest,
     ResponseBuilder,
     sse,
