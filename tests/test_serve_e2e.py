@@ -189,8 +189,10 @@ def test_disconnect_mid_stream_frees_the_pages(served: ServeRun) -> None:
         lines = resp.iter_lines()
         for _ in range(8):
             next(lines)
-        busy = _stats(served)
-    assert busy["active_tasks"] >= 1 or busy["kv_pages_free"] < total
+        deadline = time.monotonic() + 10  # the stats board hears from the replica within a second
+        while not (busy := _stats(served))["active_tasks"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert busy["active_tasks"] == 1 and busy["kv_pages_free"] < total
     stats = _wait_idle(served)
     assert stats["active_tasks"] == 0 and stats["kv_pages_free"] == total
     assert stats["total_tokens"] - idle["total_tokens"] < 1500
