@@ -19,6 +19,7 @@ _EXPORTS = {
     "GenerateResult": "serve_app.engine.request",
     "SamplingParams": "serve_app.engine.sampling_params",
     "StreamDelta": "serve_app.engine.request",
+    "StructuredOutput": "serve_app.engine.structured_output",
     "Usage": "serve_app.engine.request",
 }
 

@@ -49,6 +49,12 @@ def _bench_soak(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_structured(args: argparse.Namespace) -> None:
+    from serve_app.bench.structured_bench import main
+
+    main(args)
+
+
 def _str_list(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
 
@@ -121,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--max-growth-mb", type=float, default=200.0, help="allowed memory growth after the first round")
     soak.add_argument("--json", default=None)
     soak.set_defaults(func=_bench_soak)
+
+    structured = bench.add_parser("structured", help="the same requests with and without a JSON schema, in one run")
+    structured.add_argument("--model", default=DEFAULT_MODEL)
+    structured.add_argument("--prompts", type=int, default=64)
+    structured.add_argument("--concurrency", type=int, default=64)
+    structured.add_argument("--max-tokens", type=int, default=64)
+    structured.add_argument("--repeats", type=int, default=2, help="alternating pairs of runs")
+    structured.add_argument("--seed", type=int, default=0)
+    structured.add_argument("--json", default=None)
+    structured.set_defaults(func=_bench_structured)
     return parser
 
 

@@ -136,3 +136,21 @@ def test_bench_compare_small_run(tmp_path: Path) -> None:
     assert report["matmul_gflops"] > 0 and report["decode_ceiling_tok_s"] > 0
     assert set(report["ratios"]) == {"engine/hf-sequential", "engine/hf-static"}
     assert plot.stat().st_size > 10_000
+
+
+def test_bench_structured_small_run(tmp_path: Path, tiny_llama_path: Path) -> None:
+    """The same requests with and without a JSON schema; mask and compile costs measured."""
+    out = tmp_path / "structured.json"
+    subprocess.run(
+        [
+            sys.executable, "-m", "serve_app.cli", "bench", "structured", "--model", str(tiny_llama_path),
+            "--prompts", "4", "--concurrency", "2", "--max-tokens", "8", "--repeats", "1", "--json", str(out),
+        ],
+        check=True, timeout=600, capture_output=True,
+    )
+    report = json.loads(out.read_text())
+    assert [r["system"] for r in report["rows"]] == ["unconstrained", "json-schema"]
+    assert report["rows"][0]["output_tokens"] == 4 * 8 and 4 <= report["rows"][1]["output_tokens"] <= 4 * 8
+    assert len(report["json_schema_over_unconstrained_tok_s"]) == 1
+    assert report["mask_ms_per_step_at_2_rows"] > 0
+    assert report["new_schema_s"] > report["cached_schema_s"] > 0 and report["first_load_s"] > 0

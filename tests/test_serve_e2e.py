@@ -9,6 +9,7 @@ import anthropic
 import httpx
 import openai
 import psutil
+import pydantic
 import pytest
 import torch
 
@@ -240,3 +241,28 @@ def test_kv_sdk_through_serve(served: ServeRun, engine: InferenceEngine) -> None
         time.sleep(0.1)
         after = _stats(served)
     assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == (len(prompt) - 1) // 16 * 16
+
+
+class Fruit(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    sweet: bool
+
+
+def test_structured_output_through_serve(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    """The grammar is compiled and enforced in the engine replica's own process."""
+    reply = oai.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], response_format=Fruit, max_tokens=60,
+        temperature=0,
+    )
+    assert isinstance(reply.choices[0].message.parsed, Fruit)
+    parsed = claude.messages.parse(
+        model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Name a fruit."}], output_format=Fruit
+    )
+    assert isinstance(parsed.parsed_output, Fruit)
+    bad = httpx.post(
+        f"{oai.base_url}chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format.json_schema.schema"

@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tqdm import tqdm
 
@@ -41,10 +42,12 @@ def run_engine_bench(
     max_tokens: int,
     system: str = "engine",
     return_tokens: bool = False,
+    options: dict[str, Any] | None = None,
 ):
     """Keep `concurrency` greedy requests in flight until every prompt has run; return the summary row.
 
-    With `return_tokens`, also return each prompt's generated token ids, in prompt order.
+    `options` go into every `GenerateRequest` (a `structured_output`, say). With `return_tokens`,
+    also return each prompt's generated token ids, in prompt order.
     """
     pending = list(reversed(prompts))
     slots = threading.Semaphore(concurrency)
@@ -54,7 +57,9 @@ def run_engine_bench(
     begin = time.perf_counter()
     while pending:
         slots.acquire()
-        request = GenerateRequest(prompt=pending.pop(), max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        request = GenerateRequest(
+            prompt=pending.pop(), max_tokens=max_tokens, temperature=0, ignore_eos=True, **(options or {})
+        )
         clock = _Clock(start=time.perf_counter())
         result = engine.submit(request)
 

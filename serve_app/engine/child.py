@@ -7,9 +7,9 @@ until the host says `Shutdown` or goes away.
 
 Every send on the stream channel is small (an acceptance, one round's deltas, the stats), so the
 scheduler's per-round flush never waits behind a tokenization or a KV transfer: requests are
-tokenized outside any lock, and calls (KV tensors of up to a gigabyte) are answered on the call
-channel by their own threads. The engine's stats and health go out every HEALTH_EVERY_S when
-they have changed, so a host's stats reporter needs no round trip.
+tokenized (and their grammars compiled) by their own threads, and calls (KV tensors of up to a
+gigabyte) are answered on the call channel by theirs. The engine's stats and health go out every
+HEALTH_EVERY_S when they have changed, so a host's stats reporter needs no round trip.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class EngineChild:
         # Calls wait for the scheduler; they must not hold up submits, aborts or each other's replies.
         self._max_calls = engine.config.scheduler.max_pending_calls
         self._call_workers = ThreadPoolExecutor(max_workers=self._max_calls, thread_name_prefix="engine-call")
+        # Submits tokenize and may compile a grammar: off the reader, so aborts are read meanwhile.
+        self._submitters = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-submit")
         self._calls_in_flight = threading.BoundedSemaphore(self._max_calls)
         self._pushed = Health(engine.get_stats(), engine.healthy)
         engine.scheduler.add_step_listener(self._flush)
@@ -88,6 +90,7 @@ class EngineChild:
         except (EOFError, OSError):
             logger.info("the host closed the connection; exiting")
         finally:
+            self._submitters.shutdown(wait=True, cancel_futures=True)
             self.engine.shutdown()
             self._call_workers.shutdown(wait=False, cancel_futures=True)
             self._flush()
@@ -95,7 +98,7 @@ class EngineChild:
     def _handle(self, message: Submit | Abort) -> None:
         match message:
             case Submit():
-                self._submit(message)
+                self._submitters.submit(self._submit, message)
             case Abort(task_id):
                 self.engine.abort(task_id)
             case _:
@@ -103,7 +106,7 @@ class EngineChild:
 
     def _submit(self, message: Submit) -> None:
         try:
-            result = self.engine.submit(message.request)  # tokenizes: no lock held
+            result = self.engine.submit(message.request)  # tokenizes, compiles a grammar: no lock held
         except Exception as error:
             self._send_stream(Refused(message.call_id, portable(error)))
             return

@@ -23,6 +23,7 @@ from serve_app.engine.calls import (
     RetrieveKV,
     StoreKV,
 )
+from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.request import GenerateRequest, GenerateResult, StreamDelta
 from serve_app.engine.scheduler import InferenceScheduler
 from serve_app.engine.stopping import StopStringMatcher
@@ -63,7 +64,10 @@ class InferenceEngine:
         self.runner = ModelRunner(self.config.model)
         self.max_model_len = self.runner.max_model_len
         self.cache = build_kv_cache(self.config.cache, self.runner.kv_shape, self.max_model_len, self.runner.device)
-        self.scheduler = InferenceScheduler(self.runner, self.cache, self.config.scheduler, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids)
+        self.scheduler = InferenceScheduler(
+            self.runner, self.cache, self.config.scheduler, self.max_model_len, self.grammars
+        )
         self._transfer = (
             KVTransfer(self.cache, self.runner.vocab_size)
             if isinstance(self.cache, PageCache) and self.cache.enable_prefix_caching
@@ -88,6 +92,8 @@ class InferenceEngine:
             if bad is not None:
                 raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         params = request.sampling
+        # Compiling a grammar takes milliseconds to a second: here, never on the scheduler thread.
+        matcher = self.grammars.matcher(request.structured_output) if request.structured_output else None
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
@@ -110,6 +116,7 @@ class InferenceEngine:
             stop_strings=StopStringMatcher(request.stop),
             generator=generator,
             logprobs=request.logprobs,
+            matcher=matcher,
         )
         self.scheduler.submit(task)
         return result

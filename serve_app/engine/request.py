@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.engine.sampling_params import SamplingParams
+from serve_app.engine.structured_output import StructuredOutput
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -29,6 +30,7 @@ class GenerateRequest(BaseModel):
     ignore_eos: bool = False
     cache_salt: str = ""
     logprobs: int | None = Field(None, ge=0, le=20, description="also return each token's logprob and this many top ones")
+    structured_output: StructuredOutput | None = Field(None, description="what the output must match, enforced per token")
 
     @model_validator(mode="before")
     @classmethod

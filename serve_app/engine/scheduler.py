@@ -20,6 +20,7 @@ from typing import TypeVar
 import torch
 
 from serve_app.config import SchedulerConfig
+from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.request import StreamDelta, TokenLogprob
 from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
 from serve_app.engine.task import Task, TaskState
@@ -47,8 +48,11 @@ class SchedulerStats:
 class InferenceScheduler:
     """Owns the waiting queue and the running set; only its thread touches tasks and the cache."""
 
-    def __init__(self, runner: ModelRunner, cache: KVCache, config: SchedulerConfig, max_model_len: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, cache: KVCache, config: SchedulerConfig, max_model_len: int, grammars: GrammarCompiler
+    ) -> None:
         self.runner = runner
+        self.grammars = grammars
         self.cache = cache
         self.config = config
         self.max_model_len = max_model_len
@@ -247,7 +251,9 @@ class InferenceScheduler:
             prompt_ids=[t.tokens[: t.prompt_len] if t.params.has_penalties else () for t in tasks],
             output_ids=[t.output_ids if t.params.has_penalties else () for t in tasks],
         )
-        next_tokens = self.sampler(logits, batch)
+        matchers = [t.matcher for t in tasks]
+        constrained = self.grammars.mask(logits, matchers) if any(m is not None for m in matchers) else logits
+        next_tokens = self.sampler(constrained, batch)
         logprobs = self._logprobs(logits, next_tokens, tasks)
         for task, token, logprob in zip(tasks, next_tokens.tolist(), logprobs):
             delta = task.accept(int(token), self.max_model_len, logprob)

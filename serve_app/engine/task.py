@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from serve_app.engine.request import (
 )
 from serve_app.engine.sampling import SamplingParams
 from serve_app.engine.stopping import StopStringMatcher
+
+if TYPE_CHECKING:
+    import xgrammar
 from serve_app.model.detokenizer import IncrementalDetokenizer
 
 
@@ -40,6 +44,7 @@ class Task:
     stop_strings: StopStringMatcher
     generator: torch.Generator | None = None
     logprobs: int | None = None
+    matcher: xgrammar.GrammarMatcher | None = None  # a structured-output request's grammar state
     state: TaskState = TaskState.WAITING
     num_computed: int = 0
     admitted_once: bool = False
@@ -61,9 +66,16 @@ class Task:
         return self.num_computed < self.num_tokens - 1
 
     def accept(self, token: int, max_model_len: int, logprob: TokenLogprob | None = None) -> StreamDelta:
-        """Append a sampled token; return the text it adds and, when it ends the task, why."""
+        """Append a sampled token; return the text it adds and, when it ends the task, why.
+
+        A structured-output task whose grammar has just ended stops here, `ignore_eos` or not.
+        """
+        if self.matcher is not None and not self.matcher.accept_token(token):
+            return StreamDelta("", (), "error", error=f"token {token} was sampled outside the request's grammar")
         self.tokens.append(token)
         logprobs = (logprob,) if logprob is not None else ()
+        if self.matcher is not None and self.matcher.is_terminated():
+            return self.closing_delta("stop", (token,), logprobs=logprobs)
         if token in self.stop_token_ids:
             return self.closing_delta("stop", (token,), logprobs=logprobs)
         text = self.stop_strings.feed(self.detokenizer.push(token))

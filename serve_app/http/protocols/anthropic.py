@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.engine.request import GenerateRequest, StreamDelta, Usage
 from serve_app.engine.sampling_params import SamplingParams
+from serve_app.engine.structured_output import StructuredOutput
 from serve_app.http.engine_client import ModelInfo
 from serve_app.http.protocols.base import (
     Choice,
@@ -17,7 +18,7 @@ from serve_app.http.protocols.base import (
     sse,
     total_usage,
 )
-from serve_app.http.protocols.errors import ProtocolError, validate_body
+from serve_app.http.protocols.errors import ProtocolError, refuse_fields, validate_body
 
 # Anthropic's API answers an overloaded service with 529 `overloaded_error`.
 OVERLOADED_STATUS = 529
@@ -67,6 +68,22 @@ class CountTokensRequest(_Lenient):
         return chat
 
 
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """Anthropic's `output_config`: its `format` (structured output) is enforced; `effort` is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: OutputFormat | None = None
+    effort: None = Field(None, description="reasoning effort: this server has no reasoning mode")
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
@@ -75,10 +92,29 @@ class MessagesRequest(CountTokensRequest):
     top_k: int = Field(0, ge=0)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.output_config is None or self.output_config.format is None:
+            return None
+        schema = self.output_config.format.schema_
+        return StructuredOutput(json=schema, param="output_config.format.schema")
+
+
+# Fields of Anthropic's API that this server does not implement: a 400 naming them.
+UNSUPPORTED = {
+    "tools": "tool use is not supported yet",
+    "tool_choice": "tool use is not supported yet",
+    "thinking": "this server has no extended thinking",
+    "mcp_servers": "not supported",
+    "container": "not supported",
+    "output_format": "send output_config.format",
+}
 
 
 def parse(model: type[BaseModel], body: Any, served: ModelInfo) -> Any:
     """Validate a body and its `model` (an unknown model is a 404, as Anthropic's API answers)."""
+    refuse_fields(body, UNSUPPORTED)
     req = validate_body(model, body)
     if req.model != served.id:
         raise ProtocolError("not_found", f"model: {req.model!r} is not served here; use {served.id!r}", "model")
@@ -113,6 +149,7 @@ class MessagesBuilder(ResponseBuilder):
             max_tokens=req.max_tokens,
             sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
             stop=list(req.stop_sequences or []),
+            structured_output=req.structured_output(),
         )
         return PreparedRequest(requests=[request], stream=req.stream, model=req.model)
 

@@ -51,6 +51,15 @@ def invalid(message: str, param: str | None = None) -> ProtocolError:
     return ProtocolError("invalid_request", message, param)
 
 
+def refuse_fields(body: Any, refused: dict[str, str]) -> None:
+    """A 400 naming the first field of `refused` that `body` sets (null counts as unset): a field
+    this server does not implement is refused, never silently ignored."""
+    if isinstance(body, dict):
+        for name, reason in refused.items():
+            if body.get(name) is not None:
+                raise invalid(f"{name}: {reason}", name)
+
+
 def from_validation_error(error: ValidationError, prefix: str = "") -> ProtocolError:
     """The first pydantic error as a 400 naming its field (`messages.0.content`, ...)."""
     first = error.errors()[0]

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from serve_app.engine.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
 from serve_app.engine.sampling_params import SamplingParams
+from serve_app.engine.structured_output import StructuredOutput
 from serve_app.http.engine_client import ModelInfo
 from serve_app.http.protocols.base import (
     Choice,
@@ -18,7 +27,13 @@ from serve_app.http.protocols.base import (
     sse,
     total_usage,
 )
-from serve_app.http.protocols.errors import ProtocolError, invalid, validate_body
+from serve_app.http.protocols.errors import (
+    ProtocolError,
+    from_validation_error,
+    invalid,
+    refuse_fields,
+    validate_body,
+)
 from serve_app.http.tenants import check_client_salt
 
 _ERROR_TYPES = {
@@ -60,6 +75,84 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+# Fields of OpenAI's (and vLLM's) APIs that this server does not implement: a 400 naming them.
+UNSUPPORTED = {
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "parallel_tool_calls": "tool calling is not supported yet",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "logit_bias": "not supported",
+    "prediction": "not supported",
+    "audio": "not supported: this server produces text",
+    "web_search_options": "not supported",
+    "guided_json": "not supported; send structured_outputs: {\"json\": ...}",
+    "guided_regex": "not supported; send structured_outputs: {\"regex\": ...}",
+    "guided_choice": "not supported; send structured_outputs: {\"choice\": ...}",
+    "guided_grammar": "not supported; send structured_outputs: {\"grammar\": ...}",
+}
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (extra body): exactly one of a JSON schema, any JSON object, a regex,
+    a choice of strings, or an EBNF grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def to_engine(self) -> StructuredOutput:
+        schema = self.json_
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as error:
+                raise invalid(f"structured_outputs.json: not a JSON schema ({error.msg})", "structured_outputs.json") from None
+        fields = {"json": schema, "json_object": bool(self.json_object), "regex": self.regex, "choice": self.choice,
+                  "grammar": self.grammar}
+        return _structured(param="structured_outputs", **fields)
+
+
+class JSONSchemaFormat(_Lenient):
+    name: str
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: give it exactly when type is json_schema")
+        return self
+
+    def to_engine(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return _structured(param="response_format", json_object=True)
+        if self.type == "json_schema" and self.json_schema is not None:
+            return _structured(param="response_format.json_schema.schema", json=self.json_schema.schema_)
+        return None
+
+
+def _structured(**fields: Any) -> StructuredOutput:
+    try:
+        return StructuredOutput(**fields)
+    except ValidationError as error:
+        raise from_validation_error(error, prefix=f"{fields['param']}.") from None
+
+
 class _SamplingFields(_Lenient):
     """The sampling and stop fields both OpenAI routes share."""
 
@@ -81,11 +174,15 @@ class _SamplingFields(_Lenient):
     ignore_eos: bool = False
     cache_salt: str | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("cache_salt")
     @classmethod
     def _client_salt(cls, value: str | None) -> str | None:
         return None if value is None else check_client_salt(value)
+
+    def structured_output(self) -> StructuredOutput | None:
+        return self.structured_outputs.to_engine() if self.structured_outputs is not None else None
 
     def engine_fields(self, max_tokens: int | None, logprobs: int | None, choice: int) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -108,6 +205,7 @@ class _SamplingFields(_Lenient):
             ignore_eos=self.ignore_eos,
             cache_salt=self.cache_salt or "",
             logprobs=logprobs,
+            structured_output=self.structured_output(),
         )
 
 
@@ -116,12 +214,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        from_format = self.response_format.to_engine() if self.response_format is not None else None
+        if from_format is not None and self.structured_outputs is not None:
+            raise invalid("structured_outputs: give it or a response_format other than text, not both", "structured_outputs")
+        return from_format or super().structured_output()
 
 
 class CompletionRequest(_SamplingFields):
@@ -244,6 +349,7 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
     id_prefix = "chatcmpl-"
 
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
+        refuse_fields(body, UNSUPPORTED)
         req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
         _check_model(req.model, model)
         messages = [
@@ -330,6 +436,7 @@ class CompletionsBuilder(_OpenAIBuilder):
     id_prefix = "cmpl-"
 
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
+        refuse_fields(body, {**UNSUPPORTED, "response_format": "legacy completions take structured_outputs"})
         req: CompletionRequest = validate_body(CompletionRequest, body)
         _check_model(req.model, model)
         if req.echo:

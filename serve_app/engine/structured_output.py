@@ -1,0 +1,52 @@
+"""StructuredOutput: what a request's output must match (a JSON schema, any JSON object, a regex,
+a choice of strings, or an EBNF grammar). Plain pydantic: the HTTP layer builds it, the engine
+compiles it (`serve_app.engine.grammar`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutput(BaseModel):
+    """Exactly one constraint. `param` names the client's field it came from, for error messages."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    json_schema: dict[str, Any] | None = Field(None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    param: str = "structured_output"
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutput:
+        given = [name for name, value in self._constraints().items() if value not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or any(not c for c in self.choice)):
+            raise ValueError("choice: give at least one non-empty string")
+        return self
+
+    def _constraints(self) -> dict[str, Any]:
+        return {
+            "json": self.json_schema,
+            "json_object": self.json_object,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+        }
+
+    @property
+    def kind(self) -> str:
+        return next(name for name, value in self._constraints().items() if value not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the constraint: equal constraints compile once."""
+        return json.dumps({self.kind: self._constraints()[self.kind]}, sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,241 @@
+"""Structured output: a grammar (xgrammar) masks each step's logits, so outputs match their constraint.
+
+In the engine over many schemas and prompts (greedy and sampled), mixed with unconstrained
+requests, under preemption; then through the OpenAI and Anthropic SDKs in process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from serve_app import GenerateRequest, InferenceEngine
+from serve_app.bench.idle import wait_idle
+from serve_app.engine.structured_output import StructuredOutput
+from serve_app.errors import InvalidRequestError
+from tests.inprocess import MODEL, InProcessServer, engine_server
+from tests.references import ReferenceModel
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+    },
+    {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"}},
+        "required": ["colour", "bright"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3},
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "location": {
+                "type": "object",
+                "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                "required": ["lat", "lon"],
+            },
+        },
+        "required": ["city", "location"],
+    },
+    {"type": "object", "properties": {"answer": {"type": "string", "pattern": "^[a-z]{1,10}$"}}, "required": ["answer"]},
+]
+PROMPTS = [
+    "Describe a person as JSON.",
+    "Pick a colour and say whether it is bright.",
+    "List some fruits.",
+    "Where is Paris?",
+    "Answer in one lowercase word: what do cows drink?",
+]
+
+
+def _chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def _schema_request(schema: dict, prompt: str, **sampling) -> GenerateRequest:
+    return GenerateRequest(
+        messages=_chat(prompt), max_tokens=120, structured_output=StructuredOutput(json=schema), **sampling
+    )
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=11)], ids=["greedy", "sampled"])
+def test_outputs_validate_against_their_schemas(engine: InferenceEngine, sampling: dict) -> None:
+    results = [
+        (schema, engine.submit(_schema_request(schema, prompt, **sampling)))
+        for schema in SCHEMAS
+        for prompt in PROMPTS
+    ]
+    for schema, result in results:
+        result.wait(300)
+        assert result.finish_reason == "stop", (schema, result.text)
+        jsonschema.validate(json.loads(result.text), schema)
+
+
+def test_regex_and_choice_outputs_match(engine: InferenceEngine) -> None:
+    pattern = r"[0-9]{3}-[A-Z]{2}"
+    for seed in range(4):
+        regex = GenerateRequest(
+            messages=_chat("Make up a code."), max_tokens=20, temperature=1.0, seed=seed,
+            structured_output=StructuredOutput(regex=pattern),
+        )
+        choice = GenerateRequest(
+            messages=_chat("Is the sea wet?"), max_tokens=20, temperature=1.0, seed=seed,
+            structured_output=StructuredOutput(choice=["yes", "no", "maybe"]),
+        )
+        assert re.fullmatch(pattern, engine.submit(regex).wait(60).text)
+        assert engine.submit(choice).wait(60).text in ("yes", "no", "maybe")
+
+
+def test_unconstrained_requests_in_a_constrained_batch_keep_their_greedy_tokens(
+    engine: InferenceEngine, reference: ReferenceModel
+) -> None:
+    plain = [engine.tokenizer.encode_chat(_chat(p)) for p in PROMPTS[:3]]
+    expected = [reference.greedy(ids, 16) for ids in plain]
+    constrained = [engine.submit(_schema_request(SCHEMAS[0], p, temperature=0)) for p in PROMPTS]
+    mixed = [engine.submit(GenerateRequest(prompt=ids, max_tokens=16, temperature=0, ignore_eos=True)) for ids in plain]
+    assert [r.wait(120).token_ids for r in mixed] == expected
+    alone = engine.submit(_schema_request(SCHEMAS[0], PROMPTS[0], temperature=0)).wait(120)
+    assert constrained[0].wait(120).token_ids == alone.token_ids
+
+
+def test_a_schema_that_cannot_be_enforced_is_refused_before_queueing(engine: InferenceEngine) -> None:
+    before = engine.get_stats()["total_tasks"]
+    bad = StructuredOutput(json={"type": "nonsense"}, param="response_format.json_schema.schema")
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.submit(GenerateRequest(messages=_chat("Hi"), structured_output=bad))
+    assert refused.value.param == "response_format.json_schema.schema" and "nonsense" in refused.value.message
+    with pytest.raises(InvalidRequestError, match="Unclosed"):
+        engine.submit(GenerateRequest(prompt="Hi", structured_output=StructuredOutput(regex="[abc")))
+    assert engine.get_stats()["total_tasks"] == before
+    assert engine.submit(_schema_request(SCHEMAS[1], PROMPTS[1], temperature=0)).wait(60).finish_reason == "stop"
+
+
+def test_constrained_requests_survive_preemption(model_path: Path) -> None:
+    eng = InferenceEngine(model=str(model_path), page_size=16, cache_tokens=16 * 14, max_model_len=512)
+    try:
+        results = [eng.submit(_schema_request(SCHEMAS[3], f"Where is city number {i}?", temperature=0)) for i in range(6)]
+        for result in results:
+            result.wait(300)
+            assert result.finish_reason == "stop"
+            jsonschema.validate(json.loads(result.text), SCHEMAS[3])
+        stats = wait_idle(eng.get_stats)
+        assert stats["preemptions"] > 0
+    finally:
+        eng.shutdown()
+
+
+# -- over HTTP, with the official SDKs ----------------------------------------------------------
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    age: int
+
+
+@pytest.fixture(scope="module")
+def server(engine: InferenceEngine) -> Iterator[InProcessServer]:
+    with engine_server(engine) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oai(server: InProcessServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(server: InProcessServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_parse_returns_the_pydantic_object(oai: openai.OpenAI) -> None:
+    reply = oai.chat.completions.parse(
+        model=MODEL, messages=_chat("Describe a person."), response_format=Person, max_tokens=80, temperature=0
+    )
+    assert isinstance(reply.choices[0].message.parsed, Person)
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_json_object_and_streamed_json_schema(oai: openai.OpenAI) -> None:
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=_chat("Reply with a JSON object whose key ok is true."), max_tokens=200, temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert reply.choices[0].finish_reason == "stop" and isinstance(json.loads(reply.choices[0].message.content), dict)
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=_chat("Pick a colour."), max_tokens=80, temperature=0.7, seed=5, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "colour", "schema": SCHEMAS[1], "strict": True}},
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), SCHEMAS[1])
+
+
+def test_vllm_structured_outputs_on_both_openai_routes(oai: openai.OpenAI) -> None:
+    chosen = oai.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=8, temperature=1.0, seed=3, n=3,
+        extra_body={"structured_outputs": {"choice": ["blue", "grey"]}},
+    )
+    assert {c.text for c in chosen.choices} <= {"blue", "grey"}
+    code = oai.chat.completions.create(
+        model=MODEL, messages=_chat("A code, please."), max_tokens=12,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{2}"}},
+    )
+    assert re.fullmatch("[A-Z]{2}[0-9]{2}", code.choices[0].message.content)
+    schema = oai.chat.completions.create(
+        model=MODEL, messages=_chat("List fruits."), max_tokens=60, temperature=0,
+        extra_body={"structured_outputs": {"json": json.dumps(SCHEMAS[2])}},
+    )
+    jsonschema.validate(json.loads(schema.choices[0].message.content), SCHEMAS[2])
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ],
+)
+def test_openai_refusals_name_the_field_and_the_server_keeps_serving(server: InProcessServer, body: dict, param: str) -> None:
+    url = f"{server.url}/v1/chat/completions"
+    resp = httpx.post(url, json={"model": MODEL, "messages": _chat("Hi"), "max_tokens": 4, **body}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert httpx.post(url, json={"model": MODEL, "messages": _chat("Hi"), "max_tokens": 2}, timeout=60).status_code == 200
+
+
+def test_anthropic_output_config_format_and_its_refusals(claude: anthropic.Anthropic, server: InProcessServer) -> None:
+    parsed = claude.messages.parse(
+        model=MODEL, max_tokens=80, messages=_chat("Describe a person."), output_format=Person,
+        extra_body={"temperature": 0},
+    )
+    assert isinstance(parsed.parsed_output, Person) and parsed.stop_reason == "end_turn"
+    url = f"{server.url}/v1/messages"
+    base = {"model": MODEL, "max_tokens": 4, "messages": _chat("Hi")}
+    bad = {**base, "output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}
+    resp = httpx.post(url, json=bad, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+    assert "output_config.format.schema" in resp.json()["error"]["message"]
+    tools = httpx.post(url, json={**base, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, timeout=60)
+    assert tools.status_code == 400 and "tools" in tools.json()["error"]["message"]
+    assert httpx.post(url, json=base, timeout=60).status_code == 200
