@@ -115,9 +115,16 @@ def test_past_the_engine_queue_bound_openai_gets_503_and_anthropic_529(one_seat_
                     async for _ in response.aiter_lines():
                         pass
 
-            held = [asyncio.create_task(hold()) for _ in range(2)]  # one runs, one waits
-            while one_seat_engine.get_stats()["waiting_queue"] < 1:
-                await asyncio.sleep(0.01)
+            async def until(key: str) -> None:
+                deadline = time.monotonic() + 30
+                while one_seat_engine.get_stats()[key] < 1:
+                    assert time.monotonic() < deadline, (key, one_seat_engine.get_stats(), held)
+                    await asyncio.sleep(0.01)
+
+            held = [asyncio.create_task(hold())]  # it runs...
+            await until("active_tasks")
+            held.append(asyncio.create_task(hold()))  # ...and this one waits
+            await until("waiting_queue")
             refused = await client.post("/v1/completions", json=short)
             overloaded = await client.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": [USER]})
             for task in held:  # hanging up cancels both
