@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -266,3 +267,21 @@ def test_structured_output_through_serve(oai: openai.OpenAI, claude: anthropic.A
         timeout=60,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format.json_schema.schema"
+
+
+def test_a_required_tool_call_through_serve(oai: openai.OpenAI) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]},
+        },
+    }
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[tool], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=60, temperature=0,
+    )
+    call = reply.choices[0].message.tool_calls[0]
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)

@@ -210,7 +210,7 @@ def test_vllm_structured_outputs_on_both_openai_routes(oai: openai.OpenAI) -> No
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"function_call": "auto"}, "function_call"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
     ],

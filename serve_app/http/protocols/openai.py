@@ -20,6 +20,7 @@ from serve_app.engine.request import GenerateRequest, StreamDelta, TokenLogprob,
 from serve_app.engine.sampling_params import SamplingParams
 from serve_app.engine.structured_output import StructuredOutput
 from serve_app.http.engine_client import ModelInfo
+from serve_app.http.protocols import tools as tools_format
 from serve_app.http.protocols.base import (
     Choice,
     PreparedRequest,
@@ -59,9 +60,30 @@ class TextPart(_Lenient):
     text: str
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_on_their_roles(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry them")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id: tool messages need one, and only they")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -77,9 +99,6 @@ class StreamOptions(_Lenient):
 
 # Fields of OpenAI's (and vLLM's) APIs that this server does not implement: a 400 naming them.
 UNSUPPORTED = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "parallel_tool_calls": "tool calling is not supported yet",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "logit_bias": "not supported",
@@ -209,8 +228,32 @@ class _SamplingFields(_Lenient):
         )
 
 
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class ChatTool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -222,11 +265,59 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
+    def tool_mode(self) -> tools_format.ToolMode | None:
+        """How this request may call its tools; None when it calls none."""
+        if self.tool_choice is not None and not self.tools:
+            raise invalid("tool_choice: give it with tools", "tool_choice")
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+                raise invalid(f"tool_choice: no tool is named {self.tool_choice.function.name!r}", "tool_choice")
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_specs(self) -> list[tools_format.ToolSpec]:
+        chosen = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        return [
+            tools_format.ToolSpec(t.function.name, t.function.description, t.function.parameters)
+            for t in self.tools or []
+            if chosen is None or t.function.name == chosen
+        ]
+
     def structured_output(self) -> StructuredOutput | None:
         from_format = self.response_format.to_engine() if self.response_format is not None else None
         if from_format is not None and self.structured_outputs is not None:
             raise invalid("structured_outputs: give it or a response_format other than text, not both", "structured_outputs")
+        mode = self.tool_mode()
+        if mode is not None:
+            if from_format is not None or self.structured_outputs is not None:
+                raise invalid("tools: a tool call's format cannot be combined with response_format or structured_outputs", "tools")
+            return tools_format.output_constraint(self.tool_specs(), mode, self.parallel_tool_calls and mode != "named")
         return from_format or super().structured_output()
+
+    def chat(self) -> list[dict[str, str]]:
+        """The conversation for the chat template: earlier calls as the model writes them, results as user turns,
+        and the tools described in a system message when this request may call them."""
+        names = {call.id: call.function.name for m in self.messages for call in m.tool_calls or []}
+        chat = []
+        for m in self.messages:
+            if m.role == "tool":
+                content = tools_format.result_message(m.tool_call_id or "", names.get(m.tool_call_id or ""), m.text())
+                chat.append({"role": "user", "content": content})
+            elif m.tool_calls:
+                calls = [(call.function.name, call.function.arguments) for call in m.tool_calls]
+                chat.append({"role": "assistant", "content": tools_format.calls_as_output(calls)})
+            else:
+                chat.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+        mode = self.tool_mode()
+        if mode is not None:
+            described = tools_format.system_prompt(self.tool_specs(), mode)
+            if chat[0]["role"] == "system":
+                chat[0] = {"role": "system", "content": f"{chat[0]['content']}\n\n{described}"}
+            else:
+                chat.insert(0, {"role": "system", "content": described})
+        return chat
 
 
 class CompletionRequest(_SamplingFields):
@@ -264,6 +355,20 @@ def _prepared(
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         options={"logprobs": logprobs, "token_ids": token_ids},
     )
+
+
+def _tool_message(choice: Choice) -> dict[str, Any]:
+    """A tool-mode choice's message: its calls (finish reason `tool_calls`), or its answer."""
+    if choice.finish_reason != "stop":  # cut short: the raw text, as far as it went
+        return {"message": {"role": "assistant", "content": choice.text}, "finish_reason": _finish_reason(choice)}
+    parsed = tools_format.parse_output(choice.text)
+    if not parsed.calls:
+        return {"message": {"role": "assistant", "content": parsed.content}, "finish_reason": "stop"}
+    calls = [
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        for call in parsed.calls
+    ]
+    return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}
 
 
 def _finish_reason(choice: Choice) -> str | None:
@@ -323,7 +428,7 @@ class _OpenAIBuilder(ResponseBuilder):
         choices: Sequence[Choice],
         content: Callable[[Choice], dict[str, Any]],
     ) -> dict[str, Any]:
-        """The non-streaming body: each choice's `content` fields plus logprobs and finish reason."""
+        """The non-streaming body: each choice's `content` fields (which may set its finish reason) and logprobs."""
         return {
             "id": self._id(prepared),
             "object": object_name,
@@ -332,9 +437,9 @@ class _OpenAIBuilder(ResponseBuilder):
             "choices": [
                 {
                     "index": c.index,
-                    **content(c),
                     "logprobs": self._logprobs(prepared, c.logprobs),
                     "finish_reason": _finish_reason(c),
+                    **content(c),
                 }
                 for c in choices
             ],
@@ -352,16 +457,16 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
         refuse_fields(body, UNSUPPORTED)
         req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
         _check_model(req.model, model)
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-        ]
+        messages = req.chat()
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         requests = [
             GenerateRequest(messages=messages, **req.engine_fields(max_tokens, logprobs, choice))
             for choice in range(req.n)
         ]
-        return _prepared(req, requests, logprobs=req.logprobs)
+        prepared = _prepared(req, requests, logprobs=req.logprobs)
+        prepared.options["tools"] = req.tool_mode() is not None
+        return prepared
 
     def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not prepared.options["logprobs"]:
@@ -395,6 +500,8 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
         ]
 
     def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
+        if prepared.options["tools"]:
+            return self._tool_chunks(prepared, choice, delta)
         events = []
         if delta.text or delta.logprobs and prepared.options["logprobs"]:
             events.append(
@@ -424,9 +531,32 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
         return events
 
     def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
+        if prepared.options["tools"]:
+            return self._response(prepared, "chat.completion", choices, _tool_message)
         return self._response(
             prepared, "chat.completion", choices, lambda c: {"message": {"role": "assistant", "content": c.text}}
         )
+
+    def _tool_chunks(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
+        """A tool-mode choice streams once its output is whole: each call's id, type and name first, then
+        its arguments (as OpenAI streams them), or the plain answer's text."""
+        if delta.finish_reason is None or delta.finish_reason == "error":
+            return []
+        finished = _tool_message(choice)
+        message, finish = finished["message"], finished["finish_reason"]
+
+        def chunk(delta_body: dict[str, Any], finish_reason: str | None = None) -> str:
+            body = {"index": choice.index, "delta": delta_body, "logprobs": None, "finish_reason": finish_reason}
+            return sse(self._chunk(prepared, [body]))
+
+        events = [chunk({"content": message["content"]})] if message["content"] else []
+        for index, call in enumerate(message.get("tool_calls", [])):
+            start = {"index": index, "id": call["id"], "type": "function",
+                     "function": {"name": call["function"]["name"], "arguments": ""}}
+            events.append(chunk({"tool_calls": [start]}))
+            events.append(chunk({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]}))
+        events.append(chunk({}, finish))
+        return events
 
 
 class CompletionsBuilder(_OpenAIBuilder):
