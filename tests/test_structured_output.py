@@ -236,6 +236,6 @@ def test_anthropic_output_config_format_and_its_refusals(claude: anthropic.Anthr
     resp = httpx.post(url, json=bad, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
     assert "output_config.format.schema" in resp.json()["error"]["message"]
-    tools = httpx.post(url, json={**base, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, timeout=60)
-    assert tools.status_code == 400 and "tools" in tools.json()["error"]["message"]
+    thinking = httpx.post(url, json={**base, "thinking": {"type": "enabled", "budget_tokens": 1024}}, timeout=60)
+    assert thinking.status_code == 400 and "thinking" in thinking.json()["error"]["message"]
     assert httpx.post(url, json=base, timeout=60).status_code == 200

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -150,3 +151,66 @@ def test_tool_refusals_name_the_field(server: InProcessServer, body: dict, param
                       timeout=60)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.json()
+
+
+# -- Anthropic's Messages API -------------------------------------------------------------------
+
+CLAUDE_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["description"],
+                  "input_schema": WEATHER["function"]["parameters"]}
+CLAUDE_TIME = {"name": "get_time", "description": TIME["function"]["description"],
+               "input_schema": TIME["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def claude(server: InProcessServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_anthropic_any_forces_tool_use_blocks(claude: anthropic.Anthropic) -> None:
+    message = claude.messages.create(
+        model=MODEL, max_tokens=200, messages=ASK, tools=[CLAUDE_WEATHER, CLAUDE_TIME], tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+    )
+    assert message.stop_reason == "tool_use"
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert uses and all(block.id.startswith("toolu_") for block in uses)
+    for block in uses:
+        schema = {"get_weather": CLAUDE_WEATHER, "get_time": CLAUDE_TIME}[block.name]["input_schema"]
+        jsonschema.validate(block.input, schema)
+
+
+def test_anthropic_streamed_tool_use_and_a_tool_loop(claude: anthropic.Anthropic) -> None:
+    with claude.messages.stream(
+        model=MODEL, max_tokens=200, messages=ASK, tools=[CLAUDE_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert "input_json" in kinds or "content_block_delta" in kinds
+    assert final.stop_reason == "tool_use" and len(final.content) == 1
+    use = final.content[0]
+    assert use.type == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, CLAUDE_WEATHER["input_schema"])
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 degrees and sunny"}]},
+    ]
+    answer = claude.messages.create(model=MODEL, max_tokens=40, messages=history, tools=[CLAUDE_WEATHER],
+                                    tool_choice={"type": "none"}, extra_body={"temperature": 0})
+    assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].type == "text"
+    assert answer.content[0].text
+
+
+def test_anthropic_count_tokens_counts_the_tools(claude: anthropic.Anthropic, server: InProcessServer) -> None:
+    plain = claude.messages.count_tokens(model=MODEL, messages=ASK).input_tokens
+    with_tools = claude.messages.count_tokens(model=MODEL, messages=ASK, tools=[CLAUDE_WEATHER]).input_tokens
+    assert with_tools > plain + 20
+    url = f"{server.url}/v1/messages"
+    named = {"model": MODEL, "max_tokens": 4, "messages": ASK, "tools": [CLAUDE_WEATHER],
+             "tool_choice": {"type": "tool", "name": "nope"}}
+    resp = httpx.post(url, json=named, timeout=60)
+    assert resp.status_code == 400 and "tool_choice" in resp.json()["error"]["message"]
+    bad = {"model": MODEL, "max_tokens": 4, "messages": ASK, "tools": [{**CLAUDE_WEATHER, "input_schema": {"type": "nonsense"}}]}
+    resp = httpx.post(url, json=bad, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"

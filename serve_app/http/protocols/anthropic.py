@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.engine.request import GenerateRequest, StreamDelta, Usage
 from serve_app.engine.sampling_params import SamplingParams
 from serve_app.engine.structured_output import StructuredOutput
 from serve_app.http.engine_client import ModelInfo
+from serve_app.http.protocols import tools as tools_format
 from serve_app.http.protocols.base import (
     Choice,
     PreparedRequest,
@@ -18,7 +20,12 @@ from serve_app.http.protocols.base import (
     sse,
     total_usage,
 )
-from serve_app.http.protocols.errors import ProtocolError, refuse_fields, validate_body
+from serve_app.http.protocols.errors import (
+    ProtocolError,
+    invalid,
+    refuse_fields,
+    validate_body,
+)
 
 # Anthropic's API answers an overloaded service with 529 `overloaded_error`.
 OVERLOADED_STATUS = 529
@@ -45,26 +52,107 @@ class TextBlock(_Lenient):
     text: str
 
 
-class Message(_Lenient):
-    role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+class ToolUseBlock(_Lenient):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        return f"(error) {text}" if self.is_error else text
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    def blocks(self) -> list[Block]:
+        return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+
+
+class Tool(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str = ""
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _name_with_tool(self) -> ToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("name: give it exactly when type is tool")
+        return self
 
 
 class CountTokensRequest(_Lenient):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def tool_mode(self) -> tools_format.ToolMode | None:
+        """How this request may call its tools; None when it calls none."""
+        if self.tool_choice is not None and not self.tools:
+            raise invalid("tool_choice: give it with tools", "tool_choice")
+        if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
+            return None
+        if self.tool_choice is None or self.tool_choice.type == "auto":
+            return "auto"
+        if self.tool_choice.type == "any":
+            return "required"
+        if self.tool_choice.name not in {t.name for t in self.tools}:
+            raise invalid(f"tool_choice: no tool is named {self.tool_choice.name!r}", "tool_choice")
+        return "named"
+
+    def tool_specs(self) -> list[tools_format.ToolSpec]:
+        chosen = self.tool_choice.name if self.tool_choice is not None and self.tool_choice.type == "tool" else None
+        return [
+            tools_format.ToolSpec(t.name, t.description, t.input_schema)
+            for t in self.tools or []
+            if chosen is None or t.name == chosen
+        ]
 
     def chat(self) -> list[dict[str, str]]:
-        """System and turns as chat-template messages."""
-        chat = []
-        if self.system:
-            text = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
-            chat.append({"role": "system", "content": text})
-        chat.extend({"role": m.role, "content": m.text()} for m in self.messages)
+        """System and turns as chat-template messages: earlier tool uses as the JSON the model answers with,
+        their results as user turns, and the tools in the system message when this request may call them."""
+        names = {b.id: b.name for m in self.messages for b in m.blocks() if isinstance(b, ToolUseBlock)}
+        system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
+        mode = self.tool_mode()
+        if mode is not None:
+            described = tools_format.system_prompt(self.tool_specs(), mode)
+            system = f"{system}\n\n{described}" if system else described
+        chat = [{"role": "system", "content": system}] if system else []
+        for message in self.messages:
+            blocks = message.blocks()
+            uses = [(b.name, json.dumps(b.input)) for b in blocks if isinstance(b, ToolUseBlock)]
+            if uses:
+                chat.append({"role": message.role, "content": tools_format.calls_as_output(uses)})
+                continue
+            parts = [
+                tools_format.result_message(b.tool_use_id, names.get(b.tool_use_id), b.text())
+                if isinstance(b, ToolResultBlock) else b.text
+                for b in blocks
+            ]
+            chat.append({"role": message.role, "content": "\n".join(parts)})
         return chat
 
 
@@ -95,7 +183,14 @@ class MessagesRequest(CountTokensRequest):
     output_config: OutputConfig | None = None
 
     def structured_output(self) -> StructuredOutput | None:
-        if self.output_config is None or self.output_config.format is None:
+        mode = self.tool_mode()
+        has_format = self.output_config is not None and self.output_config.format is not None
+        if mode is not None:
+            if has_format:
+                raise invalid("tools: a tool use's format cannot be combined with output_config.format", "tools")
+            parallel = not (self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use)
+            return tools_format.output_constraint(self.tool_specs(), mode, parallel and mode != "named")
+        if not has_format:
             return None
         schema = self.output_config.format.schema_
         return StructuredOutput(json=schema, param="output_config.format.schema")
@@ -103,8 +198,6 @@ class MessagesRequest(CountTokensRequest):
 
 # Fields of Anthropic's API that this server does not implement: a 400 naming them.
 UNSUPPORTED = {
-    "tools": "tool use is not supported yet",
-    "tool_choice": "tool use is not supported yet",
     "thinking": "this server has no extended thinking",
     "mcp_servers": "not supported",
     "container": "not supported",
@@ -119,6 +212,34 @@ def parse(model: type[BaseModel], body: Any, served: ModelInfo) -> Any:
     if req.model != served.id:
         raise ProtocolError("not_found", f"model: {req.model!r} is not served here; use {served.id!r}", "model")
     return req
+
+
+def _tool_blocks(choice: Choice) -> tuple[list[dict[str, Any]], str]:
+    """A tool-mode answer's content blocks and stop reason: `tool_use` blocks, or the plain answer's text."""
+    if choice.finish_reason != "stop":  # cut short: the raw text, as far as it went
+        return [{"type": "text", "text": choice.text}], _stop_reason(choice)
+    parsed = tools_format.parse_output(choice.text, id_prefix="toolu_")
+    if not parsed.calls:
+        return [{"type": "text", "text": parsed.content or ""}], "end_turn"
+    uses = [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in parsed.calls]
+    return uses, "tool_use"
+
+
+def _block_start(index: int, block: dict[str, Any]) -> str:
+    return sse({"type": "content_block_start", "index": index, "content_block": block}, "content_block_start")
+
+
+def _whole_block(index: int, block: dict[str, Any]) -> list[str]:
+    """A finished block as Anthropic streams one: its start, its content as one delta, its stop."""
+    if block["type"] == "tool_use":
+        start, delta = {**block, "input": {}}, {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+    else:
+        start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+    return [
+        _block_start(index, start),
+        sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta"),
+        sse({"type": "content_block_stop", "index": index}, "content_block_stop"),
+    ]
 
 
 def _stop_reason(choice: Choice) -> str:
@@ -151,7 +272,9 @@ class MessagesBuilder(ResponseBuilder):
             stop=list(req.stop_sequences or []),
             structured_output=req.structured_output(),
         )
-        return PreparedRequest(requests=[request], stream=req.stream, model=req.model)
+        return PreparedRequest(
+            requests=[request], stream=req.stream, model=req.model, options={"tools": req.tool_mode() is not None}
+        )
 
     def _message(self, prepared: PreparedRequest, content: list[dict[str, Any]], choice: Choice, final: bool) -> dict[str, Any]:
         usage = total_usage(prepared, [choice])
@@ -169,14 +292,13 @@ class MessagesBuilder(ResponseBuilder):
     def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
         start = self._message(prepared, [], choices[0], final=False)
         start["usage"]["output_tokens"] = 0
-        return [
-            sse({"type": "message_start", "message": start}, "message_start"),
-            sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start"),
-            sse({"type": "ping"}, "ping"),
-        ]
+        events = [sse({"type": "message_start", "message": start}, "message_start")]
+        if not prepared.options["tools"]:  # a tool-mode answer's blocks are known only once it is whole
+            events.append(_block_start(0, {"type": "text", "text": ""}))
+        return [*events, sse({"type": "ping"}, "ping")]
 
     def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
-        if not delta.text:
+        if not delta.text or prepared.options["tools"]:
             return []
         return [
             sse(
@@ -189,12 +311,17 @@ class MessagesBuilder(ResponseBuilder):
         choice = choices[0]
         if choice.finish_reason == "error":
             return [sse(self.format_error(ProtocolError("internal", choice.error or "generation failed")), "error")]
+        if prepared.options["tools"]:
+            blocks, stop_reason = _tool_blocks(choice)
+            events = [event for index, block in enumerate(blocks) for event in _whole_block(index, block)]
+        else:
+            events, stop_reason = [sse({"type": "content_block_stop", "index": 0}, "content_block_stop")], _stop_reason(choice)
         return [
-            sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+            *events,
             sse(
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": _stop_reason(choice), "stop_sequence": choice.stop_string},
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": choice.stop_string},
                     "usage": {"output_tokens": len(choice.token_ids)},
                 },
                 "message_delta",
@@ -204,7 +331,10 @@ class MessagesBuilder(ResponseBuilder):
 
     def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
         choice = choices[0]
-        return self._message(prepared, [{"type": "text", "text": choice.text}], choice, final=True)
+        if not prepared.options["tools"]:
+            return self._message(prepared, [{"type": "text", "text": choice.text}], choice, final=True)
+        blocks, stop_reason = _tool_blocks(choice)
+        return {**self._message(prepared, blocks, choice, final=True), "stop_reason": stop_reason}
 
     def format_error(self, error: ProtocolError) -> dict[str, Any]:
         return {"type": "error", "error": {"type": _ERROR_TYPES[error.kind], "message": error.message}}

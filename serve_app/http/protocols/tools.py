@@ -47,8 +47,9 @@ class ParsedOutput:
     content: str | None
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+def new_call_id(prefix: str = "call_") -> str:
+    """A call id as the API names them: `call_...` (OpenAI), `toolu_...` (Anthropic)."""
+    return prefix + uuid.uuid4().hex[:24]
 
 
 def system_prompt(tools: list[ToolSpec], mode: ToolMode) -> str:
@@ -85,7 +86,7 @@ def output_constraint(tools: list[ToolSpec], mode: ToolMode, parallel: bool) -> 
     return StructuredOutput(json={"anyOf": [with_calls, plain]}, param="tools")
 
 
-def parse_output(text: str) -> ParsedOutput:
+def parse_output(text: str, id_prefix: str = "call_") -> ParsedOutput:
     """Calls or an answer from a finished tool-mode output; text that is not whole JSON stays as it is."""
     try:
         value = json.loads(text)
@@ -93,7 +94,7 @@ def parse_output(text: str) -> ParsedOutput:
         return ParsedOutput((), text)
     if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
         calls = tuple(
-            ToolCall(new_call_id(), call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+            ToolCall(new_call_id(id_prefix), call["name"], json.dumps(call["arguments"], ensure_ascii=False))
             for call in value["tool_calls"]
         )
         return ParsedOutput(calls, None)
