@@ -6,6 +6,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
+import openai
 import pytest
 import torch
 
@@ -14,6 +16,12 @@ from serve_app.bench.servers import ServeRun
 from serve_app.config import DEFAULT_MODEL, default_cache_dir
 from serve_app.engine.engine import InferenceEngine
 from serve_app.model.loader import resolve_model_path
+from tests.inprocess import (
+    InProcessServer,
+    anthropic_client,
+    engine_server,
+    openai_client,
+)
 from tests.references import ReferenceModel
 from tests.served import ForeignRayCluster
 from tests.tiny_models import build_tiny_model
@@ -78,3 +86,20 @@ def served(tmp_path_factory: pytest.TempPathFactory, foreign_ray: ForeignRayClus
         run = ServeRun(tmp_path_factory.mktemp("serve"), args={"cache_tokens": 8192, "max_model_len": 2048})
     yield run
     run.stop()
+
+
+@pytest.fixture(scope="module")
+def server(engine: InferenceEngine) -> Iterator[InProcessServer]:
+    """The HTTP app over the shared engine, in process (a module that needs other limits overrides it)."""
+    with engine_server(engine) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oai(server: InProcessServer) -> openai.OpenAI:
+    return openai_client(server.url)
+
+
+@pytest.fixture(scope="module")
+def claude(server: InProcessServer) -> anthropic.Anthropic:
+    return anthropic_client(server.url)

@@ -7,6 +7,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import anthropic
+import openai
+
 from serve_app.bench.servers import free_port
 from serve_app.config import ServerConfig
 from serve_app.engine.engine import InferenceEngine
@@ -43,6 +46,16 @@ class InProcessServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+
+def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    """The official OpenAI SDK against a server of ours: no retries, a generous timeout."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+def anthropic_client(url: str, api_key: str = "unused") -> anthropic.Anthropic:
+    """The official Anthropic SDK against a server of ours: no retries, a generous timeout."""
+    return anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=120)
 
 
 @contextmanager

@@ -33,16 +33,6 @@ def server(engine: InferenceEngine) -> Iterator[InProcessServer]:
         yield srv
 
 
-@pytest.fixture(scope="module")
-def oai(server: InProcessServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(server: InProcessServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-
-
 def test_chat_completion_shape_and_usage(oai: openai.OpenAI, engine: InferenceEngine) -> None:
     resp = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
     assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")

@@ -18,6 +18,7 @@ from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.idle import http_stats, wait_idle
 from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import connect, create_request, make_post_completion
+from tests.inprocess import anthropic_client, openai_client
 from tests.served import ForeignRayCluster, engine_replica_pid
 
 MODEL = "smollm2-135m-instruct"
@@ -25,12 +26,12 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def oai(served: ServeRun) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(served.url)
 
 
 @pytest.fixture(scope="module")
 def claude(served: ServeRun) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0, timeout=120)
+    return anthropic_client(served.url)
 
 
 def _stats(served: ServeRun) -> dict:

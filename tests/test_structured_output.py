@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
@@ -22,7 +21,7 @@ from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.idle import wait_idle
 from serve_app.engine.structured_output import StructuredOutput
 from serve_app.errors import InvalidRequestError
-from tests.inprocess import MODEL, InProcessServer, engine_server
+from tests.inprocess import MODEL, InProcessServer
 from tests.references import ReferenceModel
 
 SCHEMAS = [
@@ -143,22 +142,6 @@ def test_constrained_requests_survive_preemption(model_path: Path) -> None:
 class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=20)
     age: int
-
-
-@pytest.fixture(scope="module")
-def server(engine: InferenceEngine) -> Iterator[InProcessServer]:
-    with engine_server(engine) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def oai(server: InProcessServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def claude(server: InProcessServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
 
 
 def test_openai_parse_returns_the_pydantic_object(oai: openai.OpenAI) -> None:

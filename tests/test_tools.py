@@ -7,7 +7,6 @@ a grammar forces the answer: a call whose arguments match the tool's schema, or 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import anthropic
 import httpx
@@ -15,8 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from serve_app import InferenceEngine
-from tests.inprocess import MODEL, InProcessServer, engine_server
+from tests.inprocess import MODEL, InProcessServer
 
 WEATHER = {
     "type": "function",
@@ -39,17 +37,6 @@ TIME = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server(engine: InferenceEngine) -> Iterator[InProcessServer]:
-    with engine_server(engine) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def oai(server: InProcessServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _arguments_valid(call, tool: dict) -> dict:
@@ -159,11 +146,6 @@ CLAUDE_WEATHER = {"name": "get_weather", "description": WEATHER["function"]["des
                   "input_schema": WEATHER["function"]["parameters"]}
 CLAUDE_TIME = {"name": "get_time", "description": TIME["function"]["description"],
                "input_schema": TIME["function"]["parameters"]}
-
-
-@pytest.fixture(scope="module")
-def claude(server: InProcessServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
 
 
 def test_anthropic_any_forces_tool_use_blocks(claude: anthropic.Anthropic) -> None:
