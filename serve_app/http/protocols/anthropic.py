@@ -109,36 +109,22 @@ class CountTokensRequest(_Lenient):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
 
-    def tool_mode(self) -> tools_format.ToolMode | None:
-        """How this request may call its tools; None when it calls none."""
-        if self.tool_choice is not None and not self.tools:
-            raise invalid("tool_choice: give it with tools", "tool_choice")
-        if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
-            return None
-        if self.tool_choice is None or self.tool_choice.type == "auto":
-            return "auto"
-        if self.tool_choice.type == "any":
-            return "required"
-        if self.tool_choice.name not in {t.name for t in self.tools}:
-            raise invalid(f"tool_choice: no tool is named {self.tool_choice.name!r}", "tool_choice")
-        return "named"
-
-    def tool_specs(self) -> list[tools_format.ToolSpec]:
-        chosen = self.tool_choice.name if self.tool_choice is not None and self.tool_choice.type == "tool" else None
-        return [
-            tools_format.ToolSpec(t.name, t.description, t.input_schema)
-            for t in self.tools or []
-            if chosen is None or t.name == chosen
-        ]
+    def tool_plan(self) -> tuple[tools_format.ToolMode | None, list[tools_format.ToolSpec]]:
+        """How this request may call its tools, and which (Anthropic's `any` is `required`, `tool` a named one)."""
+        specs = [tools_format.ToolSpec(t.name, t.description, t.input_schema) for t in self.tools or []]
+        if self.tool_choice is None:
+            return tools_format.choose(specs, None)
+        kind = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[self.tool_choice.type]
+        return tools_format.choose(specs, kind, self.tool_choice.name)
 
     def chat(self) -> list[dict[str, str]]:
         """System and turns as chat-template messages: earlier tool uses as the JSON the model answers with,
         their results as user turns, and the tools in the system message when this request may call them."""
         names = {b.id: b.name for m in self.messages for b in m.blocks() if isinstance(b, ToolUseBlock)}
         system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
-        mode = self.tool_mode()
+        mode, specs = self.tool_plan()
         if mode is not None:
-            described = tools_format.system_prompt(self.tool_specs(), mode)
+            described = tools_format.system_prompt(specs, mode)
             system = f"{system}\n\n{described}" if system else described
         chat = [{"role": "system", "content": system}] if system else []
         for message in self.messages:
@@ -183,13 +169,13 @@ class MessagesRequest(CountTokensRequest):
     output_config: OutputConfig | None = None
 
     def structured_output(self) -> StructuredOutput | None:
-        mode = self.tool_mode()
+        mode, specs = self.tool_plan()
         has_format = self.output_config is not None and self.output_config.format is not None
         if mode is not None:
             if has_format:
                 raise invalid("tools: a tool use's format cannot be combined with output_config.format", "tools")
             parallel = not (self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use)
-            return tools_format.output_constraint(self.tool_specs(), mode, parallel and mode != "named")
+            return tools_format.output_constraint(specs, mode, parallel and mode != "named")
         if not has_format:
             return None
         schema = self.output_config.format.schema_
@@ -273,7 +259,7 @@ class MessagesBuilder(ResponseBuilder):
             structured_output=req.structured_output(),
         )
         return PreparedRequest(
-            requests=[request], stream=req.stream, model=req.model, options={"tools": req.tool_mode() is not None}
+            requests=[request], stream=req.stream, model=req.model, options={"tools": req.tool_plan()[0] is not None}
         )
 
     def _message(self, prepared: PreparedRequest, content: list[dict[str, Any]], choice: Choice, final: bool) -> dict[str, Any]:

@@ -265,35 +265,22 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    def tool_mode(self) -> tools_format.ToolMode | None:
-        """How this request may call its tools; None when it calls none."""
-        if self.tool_choice is not None and not self.tools:
-            raise invalid("tool_choice: give it with tools", "tool_choice")
-        if not self.tools or self.tool_choice == "none":
-            return None
+    def tool_plan(self) -> tuple[tools_format.ToolMode | None, list[tools_format.ToolSpec]]:
+        """How this request may call its tools, and which."""
+        specs = [tools_format.ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in self.tools or []]
         if isinstance(self.tool_choice, NamedToolChoice):
-            if self.tool_choice.function.name not in {t.function.name for t in self.tools}:
-                raise invalid(f"tool_choice: no tool is named {self.tool_choice.function.name!r}", "tool_choice")
-            return "named"
-        return self.tool_choice or "auto"
-
-    def tool_specs(self) -> list[tools_format.ToolSpec]:
-        chosen = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
-        return [
-            tools_format.ToolSpec(t.function.name, t.function.description, t.function.parameters)
-            for t in self.tools or []
-            if chosen is None or t.function.name == chosen
-        ]
+            return tools_format.choose(specs, "named", self.tool_choice.function.name)
+        return tools_format.choose(specs, self.tool_choice)
 
     def structured_output(self) -> StructuredOutput | None:
         from_format = self.response_format.to_engine() if self.response_format is not None else None
         if from_format is not None and self.structured_outputs is not None:
             raise invalid("structured_outputs: give it or a response_format other than text, not both", "structured_outputs")
-        mode = self.tool_mode()
+        mode, specs = self.tool_plan()
         if mode is not None:
             if from_format is not None or self.structured_outputs is not None:
                 raise invalid("tools: a tool call's format cannot be combined with response_format or structured_outputs", "tools")
-            return tools_format.output_constraint(self.tool_specs(), mode, self.parallel_tool_calls and mode != "named")
+            return tools_format.output_constraint(specs, mode, self.parallel_tool_calls and mode != "named")
         return from_format or super().structured_output()
 
     def chat(self) -> list[dict[str, str]]:
@@ -310,9 +297,9 @@ class ChatCompletionRequest(_SamplingFields):
                 chat.append({"role": "assistant", "content": tools_format.calls_as_output(calls)})
             else:
                 chat.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
-        mode = self.tool_mode()
+        mode, specs = self.tool_plan()
         if mode is not None:
-            described = tools_format.system_prompt(self.tool_specs(), mode)
+            described = tools_format.system_prompt(specs, mode)
             if chat[0]["role"] == "system":
                 chat[0] = {"role": "system", "content": f"{chat[0]['content']}\n\n{described}"}
             else:
@@ -465,7 +452,7 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
             for choice in range(req.n)
         ]
         prepared = _prepared(req, requests, logprobs=req.logprobs)
-        prepared.options["tools"] = req.tool_mode() is not None
+        prepared.options["tools"] = req.tool_plan()[0] is not None
         return prepared
 
     def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:

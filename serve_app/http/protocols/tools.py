@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from serve_app.engine.structured_output import StructuredOutput
+from serve_app.http.protocols.errors import invalid
 
 ToolMode = Literal["auto", "required", "named"]
 MAX_PARALLEL_CALLS = 4
@@ -45,6 +46,23 @@ class ParsedOutput:
 
     calls: tuple[ToolCall, ...]
     content: str | None
+
+
+def choose(
+    tools: list[ToolSpec], choice: Literal["none", "auto", "required", "named"] | None, name: str | None = None
+) -> tuple[ToolMode | None, list[ToolSpec]]:
+    """How a request may call its tools, and which: (None, []) when it calls none. `choice` None is the
+    APIs' default (`auto` with tools); `named` calls the tool `name`."""
+    if choice is not None and not tools:
+        raise invalid("tool_choice: give it with tools", "tool_choice")
+    if not tools or choice == "none":
+        return None, []
+    if choice == "named":
+        chosen = [tool for tool in tools if tool.name == name]
+        if not chosen:
+            raise invalid(f"tool_choice: no tool is named {name!r}", "tool_choice")
+        return "named", chosen
+    return choice or "auto", tools
 
 
 def new_call_id(prefix: str = "call_") -> str:
