@@ -40,7 +40,8 @@ class EngineDeployment:
     def __init__(self, config: dict[str, Any], stats_board: DeploymentHandle) -> None:
         app_config = AppConfig.model_validate(config)
         self.engine = EngineProcess(app_config.engine)
-        self.info = ModelInfo(app_config.served_model_name, self.engine.max_model_len, self.engine.created)
+        engine = self.engine
+        self.info = ModelInfo(app_config.served_model_name, engine.max_model_len, engine.created, engine.tool_format)
         self._board = stats_board
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         # On the replica's event loop: Serve handles may be called only from a running loop.

@@ -18,6 +18,10 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "serve-app"
 
 
+# How tools reach a model (`serve_app.model.tokenizer.template_tool_format` reads it off a chat template).
+ToolFormat = Literal["generic", "hermes", "llama3_json"]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -33,6 +37,11 @@ class ModelConfig(_Strict):
     decode_attention: Literal["auto", "torch"] = Field(
         "auto",
         description="auto: the paged C kernel on CPU with float32 where it builds, else torch; torch: gather + SDPA",
+    )
+    tool_call_format: Literal["auto"] | ToolFormat = Field(
+        "auto",
+        description="how tools reach the model: auto reads the chat template (hermes for <tool_call> templates, "
+        "llama3_json for Llama 3.1+, generic for templates that ignore tools)",
     )
     cache_dir: Path = Field(default_factory=default_cache_dir)
 
@@ -75,6 +84,7 @@ _FLAT_KEYS: dict[str, tuple[str, str]] = {
     "num_threads": ("model", "num_threads"),
     "decode_attention": ("model", "decode_attention"),
     "cache_dir": ("model", "cache_dir"),
+    "tool_call_format": ("model", "tool_call_format"),
     "kv_cache": ("cache", "kind"),
     "page_size": ("cache", "page_size"),
     "cache_tokens": ("cache", "num_tokens"),

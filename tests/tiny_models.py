@@ -10,8 +10,11 @@ import torch
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-def build_tiny_model(kind: str, folder: Path, tokenizer_from: Path, seed: int = 0) -> Path:
-    """Write a 2-layer model of `kind` ('llama' or 'qwen3') into `folder` and return it."""
+def build_tiny_model(
+    kind: str, folder: Path, tokenizer_from: Path, seed: int = 0, chat_template: Path | None = None
+) -> Path:
+    """Write a 2-layer model of `kind` ('llama' or 'qwen3') into `folder` and return it; `chat_template`
+    replaces the tokenizer's template."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     common = dict(
@@ -37,4 +40,6 @@ def build_tiny_model(kind: str, folder: Path, tokenizer_from: Path, seed: int = 
         source = tokenizer_from / name
         if source.is_file():
             shutil.copy(source, folder / name)
+    if chat_template is not None:
+        shutil.copy(chat_template, folder / "chat_template.jinja")
     return folder

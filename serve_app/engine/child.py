@@ -71,7 +71,8 @@ class EngineChild:
 
     def serve(self) -> None:
         """Handle messages until `Shutdown`, the host's end closing, or the scheduler dying."""
-        self._send_stream(Ready(self.engine.max_model_len, self.engine.created, self._pushed.stats))
+        engine = self.engine
+        self._send_stream(Ready(engine.max_model_len, engine.created, engine.tool_format, self._pushed.stats))
         threading.Thread(target=self._read_calls, name="engine-call-reader", daemon=True).start()
         next_health = time.monotonic() + HEALTH_EVERY_S
         try:

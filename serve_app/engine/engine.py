@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from serve_app.config import EngineConfig
+from serve_app.config import EngineConfig, ToolFormat
 from serve_app.engine.calls import (
     CountTokens,
     EngineCall,
@@ -63,6 +63,8 @@ class InferenceEngine:
         self.config = (config or EngineConfig()).with_options(**options)
         self.runner = ModelRunner(self.config.model)
         self.max_model_len = self.runner.max_model_len
+        chosen = self.config.model.tool_call_format
+        self.tool_format: ToolFormat = self.tokenizer.tool_format if chosen == "auto" else chosen
         self.cache = build_kv_cache(self.config.cache, self.runner.kv_shape, self.max_model_len, self.runner.device)
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids)
         self.scheduler = InferenceScheduler(
@@ -167,7 +169,7 @@ class InferenceEngine:
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The token ids the engine feeds for a request: chat through the template, text encoded, ids as they are."""
         if request.messages is not None:
-            return self.tokenizer.encode_chat(request.messages)
+            return self.tokenizer.encode_chat(request.messages, tools=request.tools)
         if isinstance(request.prompt, str):
             ids = self.tokenizer.encode(request.prompt)
             if not ids:

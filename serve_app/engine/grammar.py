@@ -3,7 +3,8 @@ and a `GrammarMatcher` per request masks the logits of each step to the tokens t
 
 Compiling happens where a request is submitted, never on the scheduler thread, and equal
 constraints compile once (xgrammar's cache). JSON is compiled without free whitespace, so a small
-model cannot fill `max_tokens` with spaces.
+model cannot fill `max_tokens` with spaces. Tool calls in a template's own format are xgrammar's
+structural tags for that format (`get_model_structural_tag`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from serve_app.engine.structured_output import StructuredOutput
+from serve_app.engine.structured_output import StructuredOutput, ToolCallGrammar
 from serve_app.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import xgrammar
+
+# Our tool-call formats as xgrammar's structural-tag builders name them.
+_XGRAMMAR_MODEL = {"hermes": "qwen_3", "llama3_json": "llama"}
 
 # xgrammar's errors start with a timestamp and a source location; the client needs only the rest.
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -61,9 +65,11 @@ class GrammarCompiler:
                 case "choice":
                     alternatives = " | ".join(json.dumps(choice) for choice in spec.choice or ())
                     compiled = compiler.compile_grammar(f"root ::= {alternatives}")
+                case "tool_calls":
+                    compiled = compiler.compile_structural_tag(_structural_tag(spec.tool_calls))
                 case _:
                     compiled = compiler.compile_grammar(spec.grammar)
-        except RuntimeError as error:
+        except (RuntimeError, ValueError) as error:
             message = _NOISE.sub("", str(error).strip()).split("\n")[0]
             raise InvalidRequestError(spec.param, f"cannot be enforced: {message}") from None
         return xgrammar.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids)
@@ -79,3 +85,24 @@ class GrammarCompiler:
         masked = logits.clone()
         xgrammar.apply_token_bitmask_inplace(masked, bitmask.to(masked.device), vocab_size=self.vocab_size, indices=rows)
         return masked
+
+
+def _structural_tag(spec: ToolCallGrammar | None) -> xgrammar.StructuralTag:
+    """The structural tag of `spec`'s format: free text where `auto` allows it (the template's own
+    special tokens included), whitespace runs capped inside the arguments."""
+    import xgrammar
+
+    assert spec is not None
+    tools = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}} for t in spec.tools]
+    choice: str | dict = spec.mode
+    if spec.mode == "named":
+        choice = {"type": "function", "function": {"name": spec.tools[0].name}}
+    return xgrammar.get_model_structural_tag(
+        _XGRAMMAR_MODEL[spec.format],
+        tools=tools,
+        tool_choice=choice,
+        reasoning="disabled",
+        exclude_special_tokens=False,
+        max_whitespace_cnt=1,
+        parallel_tool_calls=spec.parallel,
+    )

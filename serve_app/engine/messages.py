@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from serve_app.config import ToolFormat
 from serve_app.engine.calls import EngineCall
 from serve_app.engine.request import GenerateRequest, StreamDelta
 
@@ -34,6 +35,7 @@ class Ready:
 
     max_model_len: int
     created: int
+    tool_format: ToolFormat
     stats: dict[str, int]
 
 

@@ -102,6 +102,7 @@ class EngineProcess:
         ready = self._wait_ready(start_timeout)
         self.max_model_len = ready.max_model_len
         self.created = ready.created
+        self.tool_format = ready.tool_format
         self._health = Health(ready.stats, True)
         self._lock = threading.Lock()  # guards the tables below and `_exit_reason`
         self._ids = itertools.count(1)

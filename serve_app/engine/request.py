@@ -23,6 +23,9 @@ class GenerateRequest(BaseModel):
 
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="function tools (OpenAI's shape) for a chat template that takes them; with messages only"
+    )
     max_tokens: int | None = Field(16, ge=1, description="None: up to the end of the model's context")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stop: list[str] = Field(default_factory=list)
@@ -75,6 +78,8 @@ class GenerateRequest(BaseModel):
     def _one_input(self) -> GenerateRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt or messages: give exactly one")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools: give them with messages")
         return self
 
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from serve_app.config import ToolFormat
 from serve_app.engine.calls import EngineCall
 from serve_app.engine.request import GenerateRequest, GenerateResult, StreamDelta
 from serve_app.errors import CacheFullError, EngineOverloadedError, InvalidRequestError
@@ -23,6 +24,7 @@ class ServingEngine(Protocol):
 
     max_model_len: int
     created: int
+    tool_format: ToolFormat
 
     async def submit_async(self, request: GenerateRequest) -> GenerateResult: ...
     async def answer_async(self, call: EngineCall) -> Any: ...

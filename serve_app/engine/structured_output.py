@@ -1,15 +1,36 @@
 """StructuredOutput: what a request's output must match (a JSON schema, any JSON object, a regex,
-a choice of strings, or an EBNF grammar). Plain pydantic: the HTTP layer builds it, the engine
-compiles it (`serve_app.engine.grammar`)."""
+a choice of strings, an EBNF grammar, or the tool calls of a chat template's own format). Plain
+pydantic: the HTTP layer builds it, the engine compiles it (`serve_app.engine.grammar`)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
+ToolCallFormat = Literal["hermes", "llama3_json"]
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    parameters: dict[str, Any]
+
+
+class ToolCallGrammar(BaseModel):
+    """Tool calls in a chat template's own format: `auto` lets text come first and calls follow, whose
+    arguments match their tool's schema; `required` starts with a call; `named` is one call of the only
+    tool given; `parallel` false ends the output after one call."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: ToolCallFormat
+    tools: list[FunctionTool] = Field(min_length=1)
+    mode: Literal["auto", "required", "named"]
+    parallel: bool = True
 
 
 class StructuredOutput(BaseModel):
@@ -22,6 +43,7 @@ class StructuredOutput(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    tool_calls: ToolCallGrammar | None = None
     param: str = "structured_output"
 
     @model_validator(mode="after")
@@ -40,6 +62,7 @@ class StructuredOutput(BaseModel):
             "regex": self.regex,
             "choice": self.choice,
             "grammar": self.grammar,
+            "tool_calls": self.tool_calls.model_dump() if self.tool_calls is not None else None,
         }
 
     @property

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from serve_app.config import ToolFormat
 from serve_app.engine.calls import EngineCall
 from serve_app.engine.request import GenerateRequest, StreamDelta
 from serve_app.engine.serving import RequestRefused, answer_or_refusal, engine_events
@@ -30,6 +31,7 @@ class ModelInfo:
     id: str
     max_model_len: int
     created: int
+    tool_format: ToolFormat
 
 
 class EngineClient(ABC):
@@ -77,7 +79,7 @@ class LocalEngineClient(EngineClient):
 
     def __init__(self, engine: InferenceEngine, served_name: str) -> None:
         self.engine = engine
-        self.info = ModelInfo(id=served_name, max_model_len=engine.max_model_len, created=engine.created)
+        self.info = ModelInfo(served_name, engine.max_model_len, engine.created, engine.tool_format)
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
         return deltas_from_events(engine_events(self.engine, request))

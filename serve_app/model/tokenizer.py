@@ -6,9 +6,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from serve_app.config import ToolFormat
 from serve_app.errors import InvalidRequestError
 
 ChatMessage = dict[str, Any]
+
+
+def template_tool_format(template: str) -> ToolFormat:
+    """The tool-call format a chat template speaks: `hermes` (`<tool_call>` tags: Qwen2.5, Qwen3, Hermes,
+    SmolLM3), `llama3_json` (Llama 3.1+), or `generic` for a template that ignores tools."""
+    if "tools" not in template:
+        return "generic"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "ipython" in template and '"parameters"' in template:
+        return "llama3_json"
+    return "generic"
 
 
 class Tokenizer:
@@ -28,16 +41,31 @@ class Tokenizer:
         """The ids the engine uses for a string prompt (with the tokenizer's own special tokens)."""
         return list(self.hf.encode(text))
 
-    def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    @property
+    def tool_format(self) -> ToolFormat:
+        template = self.hf.chat_template
+        return template_tool_format(template) if isinstance(template, str) else "generic"
+
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The template's text for `messages` (and `tools`, OpenAI's function-tool shape, where it takes them)."""
+        from jinja2 import TemplateError
+
         if not self.hf.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template; send a plain prompt instead")
-        return self.hf.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            return self.hf.apply_chat_template(
+                list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as error:
+            raise InvalidRequestError("messages", f"the model's chat template refuses them: {error}") from None
 
-    def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Chat messages -> prompt ids through the template (which already holds the special tokens)."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -12,7 +12,6 @@ from serve_app.engine.request import GenerateRequest, StreamDelta, Usage
 from serve_app.engine.sampling_params import SamplingParams
 from serve_app.engine.structured_output import StructuredOutput
 from serve_app.http.engine_client import ModelInfo
-from serve_app.http.protocols import tools as tools_format
 from serve_app.http.protocols.base import (
     Choice,
     PreparedRequest,
@@ -25,6 +24,16 @@ from serve_app.http.protocols.errors import (
     invalid,
     refuse_fields,
     validate_body,
+)
+from serve_app.http.tools import format_for
+from serve_app.http.tools.plan import (
+    Prompt,
+    ToolCall,
+    ToolCallFormat,
+    ToolPlan,
+    ToolSpec,
+    Turn,
+    plan,
 )
 
 # Anthropic's API answers an overloaded service with 529 `overloaded_error`.
@@ -109,37 +118,32 @@ class CountTokensRequest(_Lenient):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
 
-    def tool_plan(self) -> tuple[tools_format.ToolMode | None, list[tools_format.ToolSpec]]:
+    def tool_plan(self) -> ToolPlan | None:
         """How this request may call its tools, and which (Anthropic's `any` is `required`, `tool` a named one)."""
-        specs = [tools_format.ToolSpec(t.name, t.description, t.input_schema) for t in self.tools or []]
+        specs = [ToolSpec(t.name, t.description, t.input_schema) for t in self.tools or []]
         if self.tool_choice is None:
-            return tools_format.choose(specs, None)
+            return plan(specs, None)
         kind = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[self.tool_choice.type]
-        return tools_format.choose(specs, kind, self.tool_choice.name)
+        return plan(specs, kind, self.tool_choice.name, parallel=not self.tool_choice.disable_parallel_tool_use)
 
-    def chat(self) -> list[dict[str, str]]:
-        """System and turns as chat-template messages: earlier tool uses as the JSON the model answers with,
-        their results as user turns, and the tools in the system message when this request may call them."""
-        names = {b.id: b.name for m in self.messages for b in m.blocks() if isinstance(b, ToolUseBlock)}
+    def prompt(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> Prompt:
+        """System and turns for the chat template, in the model's tool-call format: a message's tool
+        results are tool turns (before its text), its tool uses the assistant turn's calls."""
         system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
-        mode, specs = self.tool_plan()
-        if mode is not None:
-            described = tools_format.system_prompt(specs, mode)
-            system = f"{system}\n\n{described}" if system else described
-        chat = [{"role": "system", "content": system}] if system else []
+        turns = [Turn("system", system)] if system else []
         for message in self.messages:
             blocks = message.blocks()
-            uses = [(b.name, json.dumps(b.input)) for b in blocks if isinstance(b, ToolUseBlock)]
-            if uses:
-                chat.append({"role": message.role, "content": tools_format.calls_as_output(uses)})
-                continue
-            parts = [
-                tools_format.result_message(b.tool_use_id, names.get(b.tool_use_id), b.text())
-                if isinstance(b, ToolResultBlock) else b.text
-                for b in blocks
-            ]
-            chat.append({"role": message.role, "content": "\n".join(parts)})
-        return chat
+            text = "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
+            turns.extend(
+                Turn("tool", b.text(), call_id=b.tool_use_id) for b in blocks if isinstance(b, ToolResultBlock)
+            )
+            uses = tuple(
+                ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
+                for b in blocks if isinstance(b, ToolUseBlock)
+            )
+            if uses or text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                turns.append(Turn(message.role, text, calls=uses))
+        return tools.prompt(turns, tool_plan)
 
 
 class OutputFormat(BaseModel):
@@ -168,14 +172,13 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
 
-    def structured_output(self) -> StructuredOutput | None:
-        mode, specs = self.tool_plan()
+    def output_constraint(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> StructuredOutput | None:
+        """The grammar of the answer: the tool-call format's, or `output_config.format`'s."""
         has_format = self.output_config is not None and self.output_config.format is not None
-        if mode is not None:
+        if tool_plan is not None:
             if has_format:
                 raise invalid("tools: a tool use's format cannot be combined with output_config.format", "tools")
-            parallel = not (self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use)
-            return tools_format.output_constraint(specs, mode, parallel and mode != "named")
+            return tools.constraint(tool_plan)
         if not has_format:
             return None
         schema = self.output_config.format.schema_
@@ -200,15 +203,16 @@ def parse(model: type[BaseModel], body: Any, served: ModelInfo) -> Any:
     return req
 
 
-def _tool_blocks(choice: Choice) -> tuple[list[dict[str, Any]], str]:
-    """A tool-mode answer's content blocks and stop reason: `tool_use` blocks, or the plain answer's text."""
+def _tool_blocks(tools: ToolCallFormat, choice: Choice) -> tuple[list[dict[str, Any]], str]:
+    """A tool-mode answer's content blocks and stop reason: its text, then `tool_use` blocks."""
     if choice.finish_reason != "stop":  # cut short: the raw text, as far as it went
         return [{"type": "text", "text": choice.text}], _stop_reason(choice)
-    parsed = tools_format.parse_output(choice.text, id_prefix="toolu_")
+    parsed = tools.parse(choice.text, "toolu_")
+    text = [{"type": "text", "text": parsed.content}] if parsed.content else []
     if not parsed.calls:
-        return [{"type": "text", "text": parsed.content or ""}], "end_turn"
+        return text or [{"type": "text", "text": ""}], "end_turn"
     uses = [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in parsed.calls]
-    return uses, "tool_use"
+    return [*text, *uses], "tool_use"
 
 
 def _block_start(index: int, block: dict[str, Any]) -> str:
@@ -251,16 +255,18 @@ class MessagesBuilder(ResponseBuilder):
 
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         req: MessagesRequest = parse(MessagesRequest, body, model)
+        tools, tool_plan = format_for(model.tool_format), req.tool_plan()
+        prompt = req.prompt(tools, tool_plan)
         request = GenerateRequest(
-            messages=req.chat(),
+            messages=prompt.messages,
+            tools=prompt.tools,
             max_tokens=req.max_tokens,
             sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
             stop=list(req.stop_sequences or []),
-            structured_output=req.structured_output(),
+            structured_output=req.output_constraint(tools, tool_plan),
         )
-        return PreparedRequest(
-            requests=[request], stream=req.stream, model=req.model, options={"tools": req.tool_plan()[0] is not None}
-        )
+        options = {"tools": tools if tool_plan is not None else None}
+        return PreparedRequest(requests=[request], stream=req.stream, model=req.model, options=options)
 
     def _message(self, prepared: PreparedRequest, content: list[dict[str, Any]], choice: Choice, final: bool) -> dict[str, Any]:
         usage = total_usage(prepared, [choice])
@@ -298,7 +304,7 @@ class MessagesBuilder(ResponseBuilder):
         if choice.finish_reason == "error":
             return [sse(self.format_error(ProtocolError("internal", choice.error or "generation failed")), "error")]
         if prepared.options["tools"]:
-            blocks, stop_reason = _tool_blocks(choice)
+            blocks, stop_reason = _tool_blocks(prepared.options["tools"], choice)
             events = [event for index, block in enumerate(blocks) for event in _whole_block(index, block)]
         else:
             events, stop_reason = [sse({"type": "content_block_stop", "index": 0}, "content_block_stop")], _stop_reason(choice)
@@ -319,7 +325,7 @@ class MessagesBuilder(ResponseBuilder):
         choice = choices[0]
         if not prepared.options["tools"]:
             return self._message(prepared, [{"type": "text", "text": choice.text}], choice, final=True)
-        blocks, stop_reason = _tool_blocks(choice)
+        blocks, stop_reason = _tool_blocks(prepared.options["tools"], choice)
         return {**self._message(prepared, blocks, choice, final=True), "stop_reason": stop_reason}
 
     def format_error(self, error: ProtocolError) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from serve_app.engine.request import GenerateRequest, StreamDelta, TokenLogprob,
 from serve_app.engine.sampling_params import SamplingParams
 from serve_app.engine.structured_output import StructuredOutput
 from serve_app.http.engine_client import ModelInfo
-from serve_app.http.protocols import tools as tools_format
 from serve_app.http.protocols.base import (
     Choice,
     PreparedRequest,
@@ -36,6 +35,17 @@ from serve_app.http.protocols.errors import (
     validate_body,
 )
 from serve_app.http.tenants import check_client_salt
+from serve_app.http.tools import format_for
+from serve_app.http.tools.plan import (
+    ParsedOutput,
+    Prompt,
+    ToolCall,
+    ToolCallFormat,
+    ToolPlan,
+    ToolSpec,
+    Turn,
+    plan,
+)
 
 _ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
@@ -203,7 +213,9 @@ class _SamplingFields(_Lenient):
     def structured_output(self) -> StructuredOutput | None:
         return self.structured_outputs.to_engine() if self.structured_outputs is not None else None
 
-    def engine_fields(self, max_tokens: int | None, logprobs: int | None, choice: int) -> dict[str, Any]:
+    def engine_fields(
+        self, max_tokens: int | None, logprobs: int | None, choice: int, constraint: StructuredOutput | None
+    ) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         sampling = SamplingParams(
             temperature=self.temperature,
@@ -224,7 +236,7 @@ class _SamplingFields(_Lenient):
             ignore_eos=self.ignore_eos,
             cache_salt=self.cache_salt or "",
             logprobs=logprobs,
-            structured_output=self.structured_output(),
+            structured_output=constraint,
         )
 
 
@@ -265,46 +277,36 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    def tool_plan(self) -> tuple[tools_format.ToolMode | None, list[tools_format.ToolSpec]]:
+    def tool_plan(self) -> ToolPlan | None:
         """How this request may call its tools, and which."""
-        specs = [tools_format.ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in self.tools or []]
+        specs = [ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in self.tools or []]
         if isinstance(self.tool_choice, NamedToolChoice):
-            return tools_format.choose(specs, "named", self.tool_choice.function.name)
-        return tools_format.choose(specs, self.tool_choice)
+            return plan(specs, "named", self.tool_choice.function.name)
+        return plan(specs, self.tool_choice, parallel=self.parallel_tool_calls)
 
-    def structured_output(self) -> StructuredOutput | None:
+    def output_constraint(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> StructuredOutput | None:
+        """The grammar of the answer: the tool-call format's, a response_format's, or structured_outputs'."""
         from_format = self.response_format.to_engine() if self.response_format is not None else None
         if from_format is not None and self.structured_outputs is not None:
             raise invalid("structured_outputs: give it or a response_format other than text, not both", "structured_outputs")
-        mode, specs = self.tool_plan()
-        if mode is not None:
+        if tool_plan is not None:
             if from_format is not None or self.structured_outputs is not None:
                 raise invalid("tools: a tool call's format cannot be combined with response_format or structured_outputs", "tools")
-            return tools_format.output_constraint(specs, mode, self.parallel_tool_calls and mode != "named")
-        return from_format or super().structured_output()
+            return tools.constraint(tool_plan)
+        return from_format or self.structured_output()
 
-    def chat(self) -> list[dict[str, str]]:
-        """The conversation for the chat template: earlier calls as the model writes them, results as user turns,
-        and the tools described in a system message when this request may call them."""
-        names = {call.id: call.function.name for m in self.messages for call in m.tool_calls or []}
-        chat = []
+    def prompt(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> Prompt:
+        """The conversation for the chat template, in the model's tool-call format."""
+        turns = []
         for m in self.messages:
             if m.role == "tool":
-                content = tools_format.result_message(m.tool_call_id or "", names.get(m.tool_call_id or ""), m.text())
-                chat.append({"role": "user", "content": content})
+                turns.append(Turn("tool", m.text(), call_id=m.tool_call_id))
             elif m.tool_calls:
-                calls = [(call.function.name, call.function.arguments) for call in m.tool_calls]
-                chat.append({"role": "assistant", "content": tools_format.calls_as_output(calls)})
+                calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls)
+                turns.append(Turn("assistant", m.text(), calls=calls))
             else:
-                chat.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
-        mode, specs = self.tool_plan()
-        if mode is not None:
-            described = tools_format.system_prompt(specs, mode)
-            if chat[0]["role"] == "system":
-                chat[0] = {"role": "system", "content": f"{chat[0]['content']}\n\n{described}"}
-            else:
-                chat.insert(0, {"role": "system", "content": described})
-        return chat
+                turns.append(Turn("system" if m.role == "developer" else m.role, m.text()))
+        return tools.prompt(turns, tool_plan)
 
 
 class CompletionRequest(_SamplingFields):
@@ -344,18 +346,18 @@ def _prepared(
     )
 
 
-def _tool_message(choice: Choice) -> dict[str, Any]:
-    """A tool-mode choice's message: its calls (finish reason `tool_calls`), or its answer."""
+def _tool_message(tools: ToolCallFormat, choice: Choice) -> dict[str, Any]:
+    """A tool-mode choice's message: its text and calls (finish reason `tool_calls`), or its answer."""
     if choice.finish_reason != "stop":  # cut short: the raw text, as far as it went
         return {"message": {"role": "assistant", "content": choice.text}, "finish_reason": _finish_reason(choice)}
-    parsed = tools_format.parse_output(choice.text)
+    parsed: ParsedOutput = tools.parse(choice.text, "call_")
     if not parsed.calls:
-        return {"message": {"role": "assistant", "content": parsed.content}, "finish_reason": "stop"}
+        return {"message": {"role": "assistant", "content": parsed.content or ""}, "finish_reason": "stop"}
     calls = [
         {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
         for call in parsed.calls
     ]
-    return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}
+    return {"message": {"role": "assistant", "content": parsed.content, "tool_calls": calls}, "finish_reason": "tool_calls"}
 
 
 def _finish_reason(choice: Choice) -> str | None:
@@ -444,15 +446,19 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
         refuse_fields(body, UNSUPPORTED)
         req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
         _check_model(req.model, model)
-        messages = req.chat()
+        tools, tool_plan = format_for(model.tool_format), req.tool_plan()
+        prompt = req.prompt(tools, tool_plan)
+        constraint = req.output_constraint(tools, tool_plan)
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         requests = [
-            GenerateRequest(messages=messages, **req.engine_fields(max_tokens, logprobs, choice))
+            GenerateRequest(
+                messages=prompt.messages, tools=prompt.tools, **req.engine_fields(max_tokens, logprobs, choice, constraint)
+            )
             for choice in range(req.n)
         ]
         prepared = _prepared(req, requests, logprobs=req.logprobs)
-        prepared.options["tools"] = req.tool_plan()[0] is not None
+        prepared.options["tools"] = tools if tool_plan is not None else None
         return prepared
 
     def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
@@ -519,7 +525,9 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
 
     def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
         if prepared.options["tools"]:
-            return self._response(prepared, "chat.completion", choices, _tool_message)
+            return self._response(
+                prepared, "chat.completion", choices, lambda c: _tool_message(prepared.options["tools"], c)
+            )
         return self._response(
             prepared, "chat.completion", choices, lambda c: {"message": {"role": "assistant", "content": c.text}}
         )
@@ -529,7 +537,7 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
         its arguments (as OpenAI streams them), or the plain answer's text."""
         if delta.finish_reason is None or delta.finish_reason == "error":
             return []
-        finished = _tool_message(choice)
+        finished = _tool_message(prepared.options["tools"], choice)
         message, finish = finished["message"], finished["finish_reason"]
 
         def chunk(delta_body: dict[str, Any], finish_reason: str | None = None) -> str:
@@ -561,8 +569,9 @@ class CompletionsBuilder(_OpenAIBuilder):
         if req.suffix:
             raise invalid("suffix: not supported by this model", "suffix")
         prompts = _prompts(req.prompt)
+        constraint = req.structured_output()
         requests = [
-            GenerateRequest(prompt=prompt, **req.engine_fields(req.max_tokens, req.logprobs, choice))
+            GenerateRequest(prompt=prompt, **req.engine_fields(req.max_tokens, req.logprobs, choice, constraint))
             for prompt in prompts
             for choice in range(req.n)
         ]

@@ -21,6 +21,7 @@ from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
 from serve_app.http.routes.answering import answers_in
 from serve_app.http.streaming import ClosingStreamingResponse
+from serve_app.http.tools import format_for
 
 router = APIRouter()
 messages = MessagesBuilder()
@@ -63,6 +64,8 @@ async def count_tokens(request: Request) -> Response:
     context = context_of(request)
     await context.ready_caller(request)
     body = await read_json(request, context.config.max_request_bytes)
-    req: CountTokensRequest = parse(CountTokensRequest, body, await context.engine.model_info())
-    count = await context.engine.ask(CountTokens(GenerateRequest(messages=req.chat(), max_tokens=None)))
+    model = await context.engine.model_info()
+    req: CountTokensRequest = parse(CountTokensRequest, body, model)
+    prompt = req.prompt(format_for(model.tool_format), req.tool_plan())
+    count = await context.engine.ask(CountTokens(GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None)))
     return JSONResponse({"input_tokens": count})

@@ -1,0 +1,20 @@
+"""Tool calling for both APIs: which tools a request may call (`plan`), and the format they reach the
+model in (`generic` for templates that ignore tools, `native` for templates that take them)."""
+
+from __future__ import annotations
+
+from serve_app.config import ToolFormat
+from serve_app.http.tools.generic import GenericFormat
+from serve_app.http.tools.native import HermesFormat, Llama3JsonFormat
+from serve_app.http.tools.plan import ToolCallFormat
+
+_FORMATS: dict[ToolFormat, ToolCallFormat] = {
+    "generic": GenericFormat(),
+    "hermes": HermesFormat(),
+    "llama3_json": Llama3JsonFormat(),
+}
+
+
+def format_for(name: ToolFormat) -> ToolCallFormat:
+    """The tool-call format of a model, by the name the engine reports (`ModelInfo.tool_format`)."""
+    return _FORMATS[name]

@@ -1,0 +1,128 @@
+"""What a request may call and how: the tools, the choice (`auto`, `required`, one named tool) and
+parallel calls, the conversation in a shape both APIs map onto (`Turn`), and the interface of a
+tool-call format (`ToolCallFormat`): how it prompts, what grammar it enforces, how it reads calls back."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from serve_app.engine.structured_output import StructuredOutput
+from serve_app.http.protocols.errors import invalid
+
+ToolMode = Literal["auto", "required", "named"]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        """OpenAI's function-tool shape, which chat templates take."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A request that may call tools: how (`mode`), which, and whether several calls at once."""
+
+    mode: ToolMode
+    tools: tuple[ToolSpec, ...]
+    parallel: bool
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """What a tool-mode output says: its calls, and its text (None when there is none)."""
+
+    calls: tuple[ToolCall, ...]
+    content: str | None
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message of a conversation, whichever API sent it."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    calls: tuple[ToolCall, ...] = ()  # an assistant turn's tool calls
+    call_id: str | None = None  # the call a tool turn answers
+    name: str | None = None  # that call's tool, where the conversation names it
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the engine's chat template gets: messages, and the tools where the template takes them."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+def plan(
+    tools: Sequence[ToolSpec],
+    choice: Literal["none", "auto", "required", "named"] | None,
+    name: str | None = None,
+    parallel: bool = True,
+) -> ToolPlan | None:
+    """How a request may call its tools; None when it calls none. `choice` None is the APIs' default
+    (`auto` with tools); `named` calls the tool `name`, once."""
+    if choice is not None and not tools:
+        raise invalid("tool_choice: give it with tools", "tool_choice")
+    if not tools or choice == "none":
+        return None
+    if choice == "named":
+        chosen = tuple(tool for tool in tools if tool.name == name)
+        if not chosen:
+            raise invalid(f"tool_choice: no tool is named {name!r}", "tool_choice")
+        return ToolPlan("named", chosen, parallel=False)
+    return ToolPlan(choice or "auto", tuple(tools), parallel)
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    """A call id as the API names them: `call_...` (OpenAI), `toolu_...` (Anthropic)."""
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def arguments_value(arguments: str) -> Any:
+    """A call's arguments as a conversation carries them back: the object (or the text, when it is not JSON)."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def call_names(turns: Sequence[Turn]) -> dict[str, str]:
+    """Call id -> tool name, over a conversation's earlier calls."""
+    return {call.id: call.name for turn in turns for call in turn.calls}
+
+
+class ToolCallFormat(ABC):
+    """How tools reach a model and how its calls come back."""
+
+    @abstractmethod
+    def prompt(self, turns: Sequence[Turn], plan: ToolPlan | None) -> Prompt:
+        """The conversation (earlier calls and results included) for the chat template."""
+
+    @abstractmethod
+    def constraint(self, plan: ToolPlan) -> StructuredOutput:
+        """The grammar an answer under `plan` is decoded with."""
+
+    @abstractmethod
+    def parse(self, text: str, id_prefix: str) -> ParsedOutput:
+        """The calls and text of a finished answer; text that holds no whole call stays text."""
