@@ -67,7 +67,14 @@ def test_litellm_completion_with_tools_and_a_response_format(server: InProcessSe
 
 
 def test_openai_agents_sdk_runs_an_agent_with_a_tool_and_an_output_type(server: InProcessServer) -> None:
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # the SDK would otherwise send traces to OpenAI

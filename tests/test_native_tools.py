@@ -12,10 +12,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from serve_app.engine.engine import InferenceEngine
@@ -26,7 +24,13 @@ from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import ToolSpec, plan
 from serve_app.model.tokenizer import template_tool_format
-from tests.inprocess import MODEL, InProcessServer, anthropic_client, engine_server, openai_client
+from tests.inprocess import (
+    MODEL,
+    InProcessServer,
+    anthropic_client,
+    engine_server,
+    openai_client,
+)
 from tests.tiny_models import build_tiny_model
 
 TEMPLATES = Path(__file__).parent / "templates"

@@ -1,13 +1,17 @@
 """Structured output: a grammar (xgrammar) masks each step's logits, so outputs match their constraint.
 
-In the engine over many schemas and prompts (greedy and sampled), mixed with unconstrained
-requests, under preemption; then through the OpenAI and Anthropic SDKs in process.
+In the engine over many schemas and prompts (fixed and generated, greedy and sampled), mixed
+with unconstrained requests, with seeds, stop strings, `max_tokens`, logprobs, prefix hits,
+cancellation and preemption; then through the OpenAI and Anthropic SDKs in process.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import random
 import re
+import time
 from pathlib import Path
 
 import anthropic
@@ -81,6 +85,68 @@ def test_outputs_validate_against_their_schemas(engine: InferenceEngine, samplin
         result.wait(300)
         assert result.finish_reason == "stop", (schema, result.text)
         jsonschema.validate(json.loads(result.text), schema)
+
+
+def _random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A JSON schema of the kinds clients send: objects of typed, bounded fields, arrays, enums, nesting."""
+    leaves = [
+        lambda: {"type": "string", "maxLength": rng.randint(1, 16)},
+        lambda: {"type": "integer", "minimum": rng.randint(-50, 0), "maximum": rng.randint(1, 500)},
+        lambda: {"type": "number"},
+        lambda: {"type": "boolean"},
+        lambda: {"enum": rng.sample(["red", "green", "blue", "north", "south", 7, True, None], rng.randint(1, 4))},
+        lambda: {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        lambda: {"type": ["string", "null"], "maxLength": 10},
+    ]
+    kinds = leaves + ([] if depth >= 1 else [lambda: _random_schema(rng, depth + 1)] * 2)
+    if depth > 0 and rng.random() < 0.3:
+        return {"type": "array", "items": rng.choice(leaves)(), "minItems": rng.randint(0, 1), "maxItems": rng.randint(1, 3)}
+    names = rng.sample(["id", "name", "size", "ok", "tags", "where", "kind", "score", "note"], rng.randint(1, 4))
+    properties = {name: rng.choice(kinds)() for name in names}
+    required = [name for name in names if rng.random() < 0.7]
+    schema = {"type": "object", "properties": properties, "required": required}
+    if rng.random() < 0.5:
+        schema["additionalProperties"] = False
+    return schema
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=3)], ids=["greedy", "sampled"])
+def test_outputs_validate_against_generated_schemas(engine: InferenceEngine, sampling: dict) -> None:
+    rng = random.Random(2026)
+    schemas = [_random_schema(rng) for _ in range(24)]
+    results = [
+        engine.submit(GenerateRequest(messages=_chat(PROMPTS[i % len(PROMPTS)]), max_tokens=300,
+                                      structured_output=StructuredOutput(json=schema), **sampling))
+        for i, schema in enumerate(schemas)
+    ]
+    for schema, result in zip(schemas, results):
+        result.wait(300)
+        assert result.finish_reason == "stop", (schema, result.text)
+        jsonschema.validate(json.loads(result.text), schema)
+
+
+def test_constrained_requests_keep_seeds_stops_limits_logprobs_prefix_hits_and_cancellation(engine: InferenceEngine) -> None:
+    schema, prompt = SCHEMAS[3], "Where is Rome? " + "Answer as JSON. " * 10
+    whole = engine.submit(_schema_request(schema, prompt, temperature=0.8, seed=21, logprobs=2)).wait(120)
+    assert whole.finish_reason == "stop" and len(whole.logprobs) == len(whole.token_ids)
+    assert all(math.isfinite(lp.logprob) and len(lp.top) == 2 for lp in whole.logprobs)
+    again = engine.submit(_schema_request(schema, prompt, temperature=0.8, seed=21)).wait(120)
+    assert again.token_ids == whole.token_ids and again.cached_tokens >= 16  # the same seed; the prompt's pages reused
+    cut = engine.submit(
+        GenerateRequest(messages=_chat(prompt), max_tokens=5, temperature=0.8, seed=21, structured_output=StructuredOutput(json=schema))
+    ).wait(120)
+    assert cut.finish_reason == "length" and cut.token_ids == whole.token_ids[:5]
+    stopped = engine.submit(
+        GenerateRequest(messages=_chat(prompt), max_tokens=120, temperature=0.8, seed=21, stop=['"location"'],
+                        structured_output=StructuredOutput(json=schema))
+    ).wait(120)
+    assert stopped.finish_reason == "stop" and stopped.stop_string == '"location"'
+    assert whole.text.startswith(stopped.text) and '"location"' in whole.text
+    running = engine.submit(_schema_request({"type": "array", "items": {"type": "integer"}}, "Count to a million.", temperature=0))
+    while not running.token_ids:
+        time.sleep(0.02)
+    engine.abort(running.task_id)
+    assert running.wait(60).finish_reason == "cancelled"
 
 
 def test_regex_and_choice_outputs_match(engine: InferenceEngine) -> None:
