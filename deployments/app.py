@@ -1,4 +1,4 @@
-"""build_app(args): the Serve application graph, Ingress -> EngineDeployment, with the StatsBoard."""
+"""build_app(args): the Serve application graph, Ingress -> EngineDeployment, with the ReplicaBoard."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ray.serve import Application
 
 from deployments.engine import EngineDeployment
 from deployments.ingress import Ingress
-from deployments.stats_board import StatsBoard
+from deployments.replica_board import ReplicaBoard
 from serve_app.config import AppConfig
 from serve_app.http.tenants import KEYS_ENV
 from serve_app.model.loader import resolve_model_path
@@ -33,6 +33,6 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     )
     config = config.model_copy(update={"server": server})
     dumped = config.model_dump(mode="json")
-    board = StatsBoard.bind()
+    board = ReplicaBoard.bind()
     engine = EngineDeployment.bind(dumped, board)
     return Ingress.bind(engine, board, dumped)

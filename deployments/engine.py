@@ -21,10 +21,11 @@ from serve_app.engine.serving import (
     engine_events,
 )
 from serve_app.http.engine_client import ModelInfo
+from serve_app.kv.page_events import PageEventBatch
 
 logger = logging.getLogger(__name__)
 
-REPORT_EVERY_S = 0.2
+REPORT_EVERY_S = 0.1
 HEARTBEAT_S = 1.0
 
 
@@ -37,12 +38,13 @@ class EngineDeployment:
     event loop: every exchange with the engine process is awaited.
     """
 
-    def __init__(self, config: dict[str, Any], stats_board: DeploymentHandle) -> None:
+    def __init__(self, config: dict[str, Any], board: DeploymentHandle) -> None:
         app_config = AppConfig.model_validate(config)
         self.engine = EngineProcess(app_config.engine)
         engine = self.engine
         self.info = ModelInfo(app_config.served_model_name, engine.max_model_len, engine.created, engine.tool_format)
-        self._board = stats_board
+        self._page_size = app_config.engine.cache.page_size
+        self._board = board
         self._replica_id = serve.get_replica_context().replica_id.unique_id
         # On the replica's event loop: Serve handles may be called only from a running loop.
         self._reporter = asyncio.get_running_loop().create_task(self._report_stats())
@@ -63,8 +65,10 @@ class EngineDeployment:
             raise RuntimeError("the engine reports itself unhealthy: its steps keep failing")
 
     async def _report_stats(self) -> None:
-        """Push stats to the board when they change, and at least every HEARTBEAT_S."""
+        """Push stats and the prefix cache's page events to the board when they change, and at least
+        every HEARTBEAT_S (the board forgets a replica that falls silent)."""
         last: dict[str, int] | None = None
+        pages = PageEventBatch()
         waited = HEARTBEAT_S
         while True:
             await asyncio.sleep(REPORT_EVERY_S)
@@ -73,13 +77,17 @@ class EngineDeployment:
                 stats = self.engine.latest_stats
             except EngineProcessError:
                 return  # the health check fails this replica; the board forgets it when it falls silent
-            if stats == last and waited < HEARTBEAT_S:
+            pages = pages.followed_by(self.engine.take_page_events())
+            if stats == last and not pages and waited < HEARTBEAT_S:
                 continue
             try:
-                await self._board.report.remote(self._replica_id, stats, self.info)
-                last, waited = stats, 0.0
-            except Exception:  # the board may be restarting; the next round retries
-                logger.warning("could not report stats", exc_info=True)
+                lost_track = await self._board.report.remote(self._replica_id, stats, self.info, pages, self._page_size)
+            except Exception:  # the board may be restarting; the next round retries with the same pages
+                logger.warning("could not report to the board", exc_info=True)
+                continue
+            last, pages, waited = stats, PageEventBatch(), 0.0
+            if lost_track:
+                self.engine.resend_pages()
 
     def __del__(self) -> None:
         reporter = getattr(self, "_reporter", None)

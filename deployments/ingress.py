@@ -1,19 +1,26 @@
-"""Ingress: the HTTP API (serve_app.http.app) with an engine client made of Ray Serve handles."""
+"""Ingress: the HTTP API (serve_app.http.app) with an engine client made of Ray Serve handles.
+
+Prompts are rendered and tokenized here, once, so the engine replicas get token ids and the
+request router can hash their pages."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
+from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
-from serve_app.engine.calls import EngineCall
+from serve_app.engine.calls import CountTokens, EngineCall
 from serve_app.engine.request import GenerateRequest, StreamDelta
 from serve_app.http.app import create_api
 from serve_app.http.context import ServerContext
@@ -23,8 +30,10 @@ from serve_app.http.engine_client import (
     deltas_from_events,
     unwrap,
 )
+from serve_app.http.prompt_encoder import PromptEncoder
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.tenants import TenantDirectory
+from serve_app.model.loader import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +44,12 @@ READY_TTL_S = 0.5
 class RayEngineClient(EngineClient):
     """Generation streams and calls from the engine deployment; readiness, model info and stats from the board."""
 
-    def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle) -> None:
+    def __init__(self, engine: DeploymentHandle, board: DeploymentHandle, prompts: PromptEncoder) -> None:
+        self._prompts = prompts
         self._stream = engine.options(stream=True)
         # KV tensors (hundreds of MB) go through Ray's object store, not a replica's gRPC message limit.
         self._calls = engine.options(_by_reference=True)
-        self._board = stats_board
+        self._board = board
         self._info: ModelInfo | None = None
         self._ready = False
         self._checked = 0.0
@@ -47,7 +57,8 @@ class RayEngineClient(EngineClient):
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
         """The request's deltas; an engine replica lost on the way ends the stream with an error delta."""
-        events = self._stream.generate.remote(request)
+        encoded = await self._prompts.encode(request)
+        events = _as_its_own_call().run(self._stream.generate.remote, encoded)
         started = False
         try:
             async for delta in deltas_from_events(events):
@@ -64,7 +75,9 @@ class RayEngineClient(EngineClient):
             events.cancel()
 
     async def ask(self, call: EngineCall) -> Any:
-        return unwrap(await self._calls.ask.remote(call))
+        if isinstance(call, CountTokens):  # the tokenizer is here
+            return await self._prompts.count(call.request)
+        return unwrap(await _as_its_own_call().run(self._calls.ask.remote, call))
 
     async def model_info(self) -> ModelInfo:
         if self._info is None and not await self.ready():
@@ -74,6 +87,9 @@ class RayEngineClient(EngineClient):
 
     async def stats(self) -> dict[str, int]:
         return await self._board.summed.remote()
+
+    async def replica_stats(self) -> dict[str, dict[str, int]]:
+        return await self._board.per_replica.remote()
 
     async def ready(self) -> bool:
         """The board's last answer; an old one is refreshed in the background, off the request's path."""
@@ -92,19 +108,33 @@ class RayEngineClient(EngineClient):
         try:
             await self._refresh()
         except Exception:  # the board may be restarting; the next request tries again
-            logger.warning("could not read readiness from the stats board", exc_info=True)
+            logger.warning("could not read readiness from the replica board", exc_info=True)
         finally:
             self._refreshing = None
+
+
+def _as_its_own_call() -> contextvars.Context:
+    """A context in which a handle call gets an internal request id of its own. Serve takes the id
+    from the HTTP request's context, so the engine calls of one request (its `n` choices) would
+    share it, and a request router without FIFO order (ours) matches a routed call to its pending
+    request by that id: the second call would never be routed."""
+    context = contextvars.copy_context()
+    current = serve_context._get_serve_request_context()
+    fresh = dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
+    context.run(serve_context._serve_request_context.set, fresh)
+    return context
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, stats_board: DeploymentHandle, config: dict[str, Any]) -> None:
+    def __init__(self, engine: DeploymentHandle, board: DeploymentHandle, config: dict[str, Any]) -> None:
         app_config = AppConfig.model_validate(config)
         server = app_config.server
         tenants = TenantDirectory.from_config(server.api_keys_file, server.cache_salt_secret)
-        self.context = ServerContext(RayEngineClient(engine, stats_board), server, tenants=tenants)
+        model = app_config.engine.model
+        prompts = PromptEncoder(resolve_model_path(model.name, model.cache_dir))
+        self.context = ServerContext(RayEngineClient(engine, board, prompts), server, tenants=tenants)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_api(self.context)

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serve_app.kv import BatchEntry, PageCache
+from serve_app.kv.page_cache import PageCache
 from serve_app.kv.storage import KVShape
+from serve_app.kv.view import BatchEntry
 from serve_app.model.decode_kernel import (
     DecodeKernel,
     build_decode_kernel,

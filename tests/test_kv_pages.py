@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_app.kv import BatchEntry, ContiguousCache, KVShape, PageCache
 from serve_app.kv.allocator import Allocator
+from serve_app.kv.contiguous import ContiguousCache
+from serve_app.kv.page_cache import PageCache
 from serve_app.kv.page_pool import PagePool
 from serve_app.kv.prefix_cache import PrefixCache, chain_hash
+from serve_app.kv.storage import KVShape
 from serve_app.kv.transfer import KVTransfer
+from serve_app.kv.view import BatchEntry
 
 SHAPE = KVShape(n_layers=2, n_kv_heads=2, head_dim=4, dtype=torch.float32)
 CPU = torch.device("cpu")

@@ -121,19 +121,28 @@ def free_port() -> int:
 
 
 class ServeRun:
-    """`serve run` on a Serve config (the project's by default), moved to a free port, args overridden.
+    """`serve run` on a Serve config (the project's by default), moved to a free port, args and deployment
+    options (`deployments`: name -> options to set) overridden.
 
     It starts a Ray cluster of its own (`--address local`, its own temp dir), so it never joins,
     nor disturbs, a cluster that happens to run on this machine.
     """
 
     def __init__(
-        self, workdir: Path, args: dict | None = None, timeout: float = 240.0, config_path: Path | None = None
+        self,
+        workdir: Path,
+        args: dict | None = None,
+        timeout: float = 240.0,
+        config_path: Path | None = None,
+        deployments: dict[str, dict] | None = None,
     ) -> None:
         config = yaml.safe_load((config_path or ROOT / "serve_config.yaml").read_text())
         self.port = free_port()
         config["http_options"]["port"] = self.port
-        config["applications"][0]["args"].update(args or {})
+        app = config["applications"][0]
+        app["args"].update(args or {})
+        for deployment in app["deployments"]:
+            deployment.update((deployments or {}).get(deployment["name"], {}))
         path = workdir / "serve_config.yaml"
         path.write_text(yaml.safe_dump(config))
         self.url = f"http://127.0.0.1:{self.port}"

@@ -32,9 +32,11 @@ from serve_app.engine.messages import (
     Failed,
     FromEngine,
     Health,
+    PagesChanged,
     Ready,
     Refused,
     Reply,
+    ResendPages,
     Shutdown,
     Submit,
     portable,
@@ -68,6 +70,9 @@ class EngineChild:
         self._calls_in_flight = threading.BoundedSemaphore(self._max_calls)
         self._pushed = Health(engine.get_stats(), engine.healthy)
         engine.scheduler.add_step_listener(self._flush)
+        self._page_events = engine.record_page_events()
+        if self._page_events is not None:
+            engine.scheduler.add_step_listener(self._send_page_events)
 
     def serve(self) -> None:
         """Handle messages until `Shutdown`, the host's end closing, or the scheduler dying."""
@@ -102,6 +107,9 @@ class EngineChild:
                 self._submitters.submit(self._submit, message)
             case Abort(task_id):
                 self.engine.abort(task_id)
+            case ResendPages():
+                if self._page_events is not None:
+                    self._page_events.snapshot_next()
             case _:
                 logger.error("unknown message %r", message)
 
@@ -164,6 +172,15 @@ class EngineChild:
                 self._send_stream(Deltas(deltas))
             except (OSError, ValueError):
                 pass  # the host has gone; the serve loop notices and stops
+
+    def _send_page_events(self) -> None:
+        assert self._page_events is not None
+        batch = self._page_events.drain()
+        if batch:
+            try:
+                self._send_stream(PagesChanged(batch))
+            except (OSError, ValueError):
+                pass  # the host has gone
 
     def _send_stream(self, message: FromEngine) -> None:
         with self._stream_lock:

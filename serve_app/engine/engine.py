@@ -31,6 +31,7 @@ from serve_app.engine.task import Task
 from serve_app.errors import InvalidRequestError
 from serve_app.kv.factory import build_kv_cache
 from serve_app.kv.page_cache import PageCache
+from serve_app.kv.page_events import PageEventLog
 from serve_app.kv.transfer import KVConfig, KVTransfer, StoreResult
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
@@ -168,14 +169,15 @@ class InferenceEngine:
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The token ids the engine feeds for a request: chat through the template, text encoded, ids as they are."""
-        if request.messages is not None:
-            return self.tokenizer.encode_chat(request.messages, tools=request.tools)
-        if isinstance(request.prompt, str):
-            ids = self.tokenizer.encode(request.prompt)
-            if not ids:
-                raise InvalidRequestError("prompt", "encodes to no tokens")
-            return ids
-        return list(request.prompt or [])
+        return self.tokenizer.prompt_ids(request.prompt, request.messages, request.tools)
+
+    def record_page_events(self) -> PageEventLog | None:
+        """Log the page hashes the prefix cache publishes and drops (None without one). Drain the log on
+        the scheduler thread (a step listener): the cache changes there."""
+        if self._transfer is None:
+            return None
+        assert isinstance(self.cache, PageCache)
+        return self.cache.pool.prefix_cache.record_events()
 
     def abort(self, task_id: int) -> None:
         """Cancel a task; its cache is freed at the next step."""

@@ -5,8 +5,9 @@ Two connections join them, so that a big answer never holds up a stream:
     stream channel, host -> engine          stream channel, engine -> host
     Submit(call_id, request)                Ready(...) or Failed(reason), once, first
     Abort(task_id)                          Accepted(call_id, task_id, prompt_tokens) or Refused(call_id, error)
-    Shutdown()                              Deltas([(task_id, StreamDelta), ...]), one per scheduler round
-                                            Health(stats, healthy), when they change
+    ResendPages()                           Deltas([(task_id, StreamDelta), ...]), one per scheduler round
+    Shutdown()                              Health(stats, healthy), when they change
+                                            PagesChanged(batch), after a round that cached or evicted pages
 
     call channel, host -> engine            call channel, engine -> host
     Call(call_id, EngineCall)               Reply(call_id, ok, value or error)
@@ -27,6 +28,7 @@ from typing import Any
 from serve_app.config import ToolFormat
 from serve_app.engine.calls import EngineCall
 from serve_app.engine.request import GenerateRequest, StreamDelta
+from serve_app.kv.page_events import PageEventBatch
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,11 @@ class Submit:
 @dataclass(frozen=True)
 class Abort:
     task_id: int
+
+
+@dataclass(frozen=True)
+class ResendPages:
+    """Send a snapshot of the prefix cache's pages with the next `PagesChanged`."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,13 @@ class Health:
 
 
 @dataclass(frozen=True)
+class PagesChanged:
+    """Page hashes the prefix cache published and dropped in one scheduler round."""
+
+    batch: PageEventBatch
+
+
+@dataclass(frozen=True)
 class Call:
     call_id: int
     call: EngineCall
@@ -105,8 +119,8 @@ class Reply:
     value: Any
 
 
-ToEngine = Submit | Abort | Shutdown | Call
-FromEngine = Ready | Failed | Accepted | Refused | Deltas | Health | Reply
+ToEngine = Submit | Abort | ResendPages | Shutdown | Call
+FromEngine = Ready | Failed | Accepted | Refused | Deltas | Health | PagesChanged | Reply
 
 
 def send(conn: Connection, message: ToEngine | FromEngine) -> None:

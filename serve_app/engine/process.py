@@ -37,9 +37,11 @@ from serve_app.engine.messages import (
     Deltas,
     Failed,
     Health,
+    PagesChanged,
     Ready,
     Refused,
     Reply,
+    ResendPages,
     Shutdown,
     Submit,
     ToEngine,
@@ -47,6 +49,7 @@ from serve_app.engine.messages import (
     send,
 )
 from serve_app.engine.request import GenerateRequest, GenerateResult, StreamDelta
+from serve_app.kv.page_events import PageEventBatch, PageEventBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,7 @@ class EngineProcess:
         self.created = ready.created
         self.tool_format = ready.tool_format
         self._health = Health(ready.stats, True)
+        self._page_events = PageEventBuffer()
         self._lock = threading.Lock()  # guards the tables below and `_exit_reason`
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}  # call id -> the answer to a submit or a call
@@ -213,6 +217,15 @@ class EngineProcess:
                 raise EngineProcessError(self._exit_reason)
         writer.post(message)
 
+    def take_page_events(self) -> PageEventBatch:
+        """The page hashes the engine's prefix cache published and dropped since the last call (the first
+        call: a snapshot of what it holds)."""
+        return self._page_events.take()
+
+    def resend_pages(self) -> None:
+        """Have the engine send a snapshot of its cached pages (a reader of the events has lost track)."""
+        self._post(self._stream_writer, ResendPages())
+
     def _read(self, conn: Connection, is_stream: bool) -> None:
         try:
             while True:
@@ -251,6 +264,8 @@ class EngineProcess:
             case Health():
                 with self._lock:
                     self._health = message
+            case PagesChanged(batch):
+                self._page_events.add(batch)
             case _:
                 logger.error("unknown message from the engine process: %r", message)
 

@@ -53,6 +53,10 @@ class EngineClient(ABC):
         """The stats of every engine replica, summed."""
 
     @abstractmethod
+    async def replica_stats(self) -> dict[str, dict[str, int]]:
+        """Each engine replica's stats, by replica id."""
+
+    @abstractmethod
     async def ready(self) -> bool: ...
 
 
@@ -92,6 +96,9 @@ class LocalEngineClient(EngineClient):
 
     async def stats(self) -> dict[str, int]:
         return self.engine.get_stats()
+
+    async def replica_stats(self) -> dict[str, dict[str, int]]:
+        return {"in-process": self.engine.get_stats()}
 
     async def ready(self) -> bool:
         return self.engine.healthy

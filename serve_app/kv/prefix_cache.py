@@ -6,7 +6,7 @@ import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
 
-PageHash = bytes
+from serve_app.kv.page_events import DEFAULT_LIMIT, PageEventLog, PageHash
 
 
 def chain_hash(parent: PageHash | None, tokens: Sequence[int], cache_salt: str) -> PageHash:
@@ -30,11 +30,17 @@ def page_hashes(tokens: Sequence[int], page_size: int, cache_salt: str, limit: i
 
 
 class PrefixCache:
-    """Maps page hashes to the pages holding them, both ways."""
+    """Maps page hashes to the pages holding them, both ways; tells a `PageEventLog` what comes and goes."""
 
     def __init__(self) -> None:
         self._page_of: dict[PageHash, int] = {}
         self._hash_of: dict[int, PageHash] = {}
+        self._events: PageEventLog | None = None
+
+    def record_events(self, limit: int = DEFAULT_LIMIT) -> PageEventLog:
+        """Log the hashes published and dropped from now on; the first drain is a snapshot of what is held."""
+        self._events = PageEventLog(lambda: list(self._page_of), limit)
+        return self._events
 
     def lookup(self, page_hash: PageHash) -> int | None:
         return self._page_of.get(page_hash)
@@ -45,6 +51,8 @@ class PrefixCache:
             return False
         self._page_of[page_hash] = page
         self._hash_of[page] = page_hash
+        if self._events is not None:
+            self._events.stored(page_hash)
         return True
 
     def is_cached(self, page: int) -> bool:
@@ -55,6 +63,8 @@ class PrefixCache:
         page_hash = self._hash_of.pop(page, None)
         if page_hash is not None:
             del self._page_of[page_hash]
+            if self._events is not None:
+                self._events.removed(page_hash)
 
     def __len__(self) -> int:
         return len(self._page_of)

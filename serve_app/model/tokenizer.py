@@ -68,5 +68,18 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return list(self.hf.encode(text, add_special_tokens=False))
 
+    def prompt_ids(
+        self, prompt: str | Sequence[int] | None, messages: Sequence[ChatMessage] | None, tools: list[dict] | None
+    ) -> list[int]:
+        """The ids fed for a request's input: chat through the template, text encoded, ids as they are."""
+        if messages is not None:
+            return self.encode_chat(messages, tools=tools)
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt", "encodes to no tokens")
+            return ids
+        return list(prompt or [])
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -45,6 +45,14 @@ async def stats(request: Request) -> Response:
     return JSONResponse(await context.engine.stats())
 
 
+@router.get("/stats/replicas")
+@answers
+async def replica_stats(request: Request) -> Response:
+    context = context_of(request)
+    context.caller(request, admin=True)
+    return JSONResponse(await context.engine.replica_stats())
+
+
 @router.get("/metrics")
 @answers
 async def metrics(request: Request) -> Response:

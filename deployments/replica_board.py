@@ -1,0 +1,69 @@
+"""ReplicaBoard: where every engine replica reports its stats and the pages its prefix cache holds.
+The ingress sums the stats and reads readiness here; each ingress's request router follows the
+page directory (`page_changes`), so all of them route on the same view."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray import serve
+
+from serve_app.kv.page_events import PageEventBatch
+from serve_app.routing.page_directory import PageChanges, PageDirectory
+
+# A replica that has not reported for this long is gone.
+STALE_AFTER_S = 3.0
+NAME = "ReplicaBoard"
+
+
+@serve.deployment(
+    name=NAME,
+    num_replicas=1,
+    ray_actor_options={"num_cpus": 0},
+    logging_config={"enable_access_log": False},
+)
+class ReplicaBoard:
+    def __init__(self) -> None:
+        self._reports: dict[str, tuple[float, dict[str, int]]] = {}
+        self._model_info: Any = None
+        self._pages = PageDirectory()
+
+    def report(self, replica_id: str, stats: dict[str, int], model_info: Any, pages: PageEventBatch, page_size: int) -> bool:
+        """Record a replica's report; True when the board needs a snapshot of its pages (it has forgotten
+        a replica that fell silent and came back)."""
+        known = replica_id in self._reports
+        self._reports[replica_id] = (time.monotonic(), stats)
+        self._model_info = model_info
+        if not known and pages.snapshot is None:
+            return True
+        self._pages.publish(replica_id, pages, page_size)
+        return False
+
+    def _live(self) -> list[dict[str, int]]:
+        now = time.monotonic()
+        for replica_id in [k for k, (at, _) in self._reports.items() if now - at >= STALE_AFTER_S]:
+            del self._reports[replica_id]
+            self._pages.forget(replica_id)
+        return [stats for _, stats in self._reports.values()]
+
+    def summed(self) -> dict[str, int]:
+        live = self._live()
+        total: dict[str, int] = {"replicas": len(live)}
+        for stats in live:
+            for key, value in stats.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def per_replica(self) -> dict[str, dict[str, int]]:
+        self._live()
+        return {replica_id: stats for replica_id, (_, stats) in self._reports.items()}
+
+    def status(self) -> tuple[bool, Any]:
+        """(an engine replica is up, the served model's info)."""
+        return bool(self._live()), self._model_info
+
+    def page_changes(self, since: int) -> PageChanges:
+        """What the replicas' prefix caches gained and lost after `since` (see `PageDirectory.changes`)."""
+        self._live()
+        return self._pages.changes(since)

@@ -1,0 +1,95 @@
+"""PrefixAwareRouter: Serve's request router for `EngineDeployment`, chosen in serve_config.yaml
+(`request_router_config`). It sends a request to the replica holding the longest run of its
+prompt's pages (the prefix cache's own chained hashes, with the tenant's cache salt), unless
+queues are imbalanced; KV calls (`LookupKV`, `RetrieveKV`, `StoreKV`) go where their prefix is.
+
+It learns what each replica holds by following the ReplicaBoard's page directory in the
+background (every ingress's router reads the same view) and by noting where it has just sent a
+prompt. Nothing here blocks the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ray import serve
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from deployments.replica_board import NAME as BOARD
+from serve_app.engine.calls import LookupKV, RetrieveKV, StoreKV
+from serve_app.engine.request import GenerateRequest
+from serve_app.kv.prefix_cache import PageHash, page_hashes
+from serve_app.routing.policy import RoutingPolicy
+from serve_app.routing.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixAwareRouter(RequestRouter):
+    def initialize_state(
+        self, balance_abs_threshold: int = 16, balance_rel_threshold: float = 1.5, refresh_s: float = 0.05
+    ) -> None:
+        self._policy = RoutingPolicy(balance_abs_threshold, balance_rel_threshold)
+        self._index = PrefixIndex()
+        self._refresh_s = refresh_s
+        self._follower: asyncio.Task | None = None
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        self._follow_the_board()
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # full replicas: wait, do not spin
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        hashes = self._page_hashes(pending_request)
+        matched = self._index.matched_pages(hashes, by_id) if hashes else {}
+        loads = {key: self.replica_queue_len_cache.get(replica.replica_id) or 0 for key, replica in by_id.items()}
+        return [[by_id[key] for key in group] for group in self._policy.rank(list(by_id), loads, matched)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        hashes = self._page_hashes(pending_request)
+        if hashes:
+            self._index.note_routed(replica_id.unique_id, hashes)
+
+    def _page_hashes(self, pending_request: PendingRequest | None) -> Sequence[PageHash]:
+        """The chained hashes of the request's whole prompt pages, as the engine's prefix cache makes them."""
+        if pending_request is None or self._index.page_size is None:
+            return ()
+        key = _prompt_of(pending_request.args)
+        if key is None:
+            return ()
+        tokens, salt = key
+        return list(page_hashes(tokens, self._index.page_size, salt))
+
+    def _follow_the_board(self) -> None:
+        if self._follower is None or self._follower.done():
+            self._follower = asyncio.get_running_loop().create_task(self._follow())
+
+    async def _follow(self) -> None:
+        board = serve.get_deployment_handle(BOARD, self.app_name)
+        while True:
+            try:
+                self._index.apply(await board.page_changes.remote(self._index.seq))
+            except Exception:  # the board may be restarting; routing goes on with what is known
+                logger.warning("could not read the page directory", exc_info=True)
+                await asyncio.sleep(1.0)
+            await asyncio.sleep(self._refresh_s)
+
+
+def _prompt_of(args: Sequence[Any]) -> tuple[list[int], str] | None:
+    """(token ids, cache salt) of a generate request or a KV call, whose page hashes route it."""
+    first = args[0] if args else None
+    if isinstance(first, GenerateRequest) and isinstance(first.prompt, list):
+        return first.prompt, first.cache_salt
+    if isinstance(first, (LookupKV, RetrieveKV, StoreKV)):
+        return first.tokens, first.cache_salt
+    return None

@@ -1,0 +1,126 @@
+"""Routing by cached pages, without Ray: page events from a real page pool, the directory the
+replicas report to, a router's index of it, and the policy that ranks replicas."""
+
+from __future__ import annotations
+
+from serve_app.kv.page_events import PageEventBatch, PageEventBuffer
+from serve_app.kv.page_pool import PagePool
+from serve_app.kv.prefix_cache import page_hashes
+from serve_app.routing.page_directory import PageDirectory
+from serve_app.routing.policy import RoutingPolicy
+from serve_app.routing.prefix_index import PrefixIndex
+
+PAGE = 4
+
+
+def _fill(pool: PagePool, tokens: list[int], salt: str = "") -> list[int]:
+    """Cache `tokens` as a request would: allocate its pages, publish the whole ones, release them all."""
+    pages = pool.allocate(-(-len(tokens) // PAGE))
+    assert pages is not None
+    for page, page_hash in zip(pages, page_hashes(tokens, PAGE, salt)):
+        pool.publish(page, page_hash)
+    pool.release(pages)
+    return pages
+
+
+def test_a_pool_reports_what_it_caches_and_evicts_as_events() -> None:
+    pool = PagePool(n_pages=4, page_size=PAGE)
+    log = pool.prefix_cache.record_events()
+    assert log.drain() == PageEventBatch(snapshot=frozenset())  # the first drain says what is held: nothing
+    first = list(range(8))
+    _fill(pool, first)
+    batch = log.drain()
+    assert batch.stored == frozenset(page_hashes(first, PAGE, "")) and not batch.removed and batch.snapshot is None
+    assert not log.drain()
+    second = list(range(100, 116))  # four pages: everything cached before is evicted
+    _fill(pool, second)
+    batch = log.drain()
+    assert batch.removed == frozenset(page_hashes(first, PAGE, "")) and batch.stored == frozenset(page_hashes(second, PAGE, ""))
+    log.snapshot_next()
+    assert log.drain().snapshot == frozenset(page_hashes(second, PAGE, ""))
+
+
+def test_a_log_nobody_drains_stays_bounded_and_falls_back_to_a_snapshot() -> None:
+    pool = PagePool(n_pages=2, page_size=PAGE)
+    log = pool.prefix_cache.record_events(limit=6)
+    log.drain()
+    for start in range(0, 400, 8):
+        _fill(pool, list(range(start, start + 8)))
+    assert len(log._stored) + len(log._removed) <= 6
+    batch = log.drain()
+    assert batch.snapshot == frozenset(page_hashes(list(range(392, 400)), PAGE, "")) and not batch.stored
+
+
+def test_batches_merge_in_order_the_latest_event_winning() -> None:
+    a, b, c = b"a", b"b", b"c"
+    buffer = PageEventBuffer()
+    buffer.add(PageEventBatch(stored=frozenset({a, b})))
+    buffer.add(PageEventBatch(removed=frozenset({a}), stored=frozenset({c})))
+    assert buffer.take() == PageEventBatch(stored=frozenset({b, c}), removed=frozenset({a}))
+    assert not buffer.take()
+    buffer.add(PageEventBatch(snapshot=frozenset({a})))
+    buffer.add(PageEventBatch(stored=frozenset({b}), removed=frozenset({a})))
+    assert buffer.take() == PageEventBatch(snapshot=frozenset({b}))
+
+
+def test_routers_follow_the_directory_and_catch_up_after_falling_behind() -> None:
+    directory = PageDirectory(log_length=3)
+    h = [bytes([i]) for i in range(6)]
+    directory.publish("r1", PageEventBatch(snapshot=frozenset({h[0], h[1]})), PAGE)
+    directory.publish("r2", PageEventBatch(snapshot=frozenset({h[0]})), PAGE)
+    index = PrefixIndex()
+    index.apply(directory.changes(index.seq))
+    assert index.page_size == PAGE
+    assert index.matched_pages(h[:3], ["r1", "r2"]) == {"r1": 2, "r2": 1}
+    directory.publish("r2", PageEventBatch(stored=frozenset({h[1], h[2]})), PAGE)
+    index.apply(directory.changes(index.seq))
+    assert index.matched_pages(h[:3], ["r1", "r2"]) == {"r1": 2, "r2": 3}
+    for i in range(5):  # more changes than the log keeps: the lagging router gets the whole view
+        directory.publish("r1", PageEventBatch(stored=frozenset({h[3 + i % 3]})), PAGE)
+    changes = directory.changes(index.seq)
+    assert changes.reset
+    directory.forget("r2")
+    index.apply(directory.changes(index.seq))
+    assert index.matched_pages(h[:3], ["r1", "r2"]) == {"r1": 2}
+    assert directory.replicas == ["r1"] and len(index) == len(directory.pages_of("r1"))
+
+
+def test_a_router_counts_leading_pages_only_and_holds_routed_prompts_for_a_while() -> None:
+    now = [0.0]
+    index = PrefixIndex(provisional_ttl_s=5.0, clock=lambda: now[0])
+    directory = PageDirectory()
+    h = [bytes([i]) for i in range(4)]
+    directory.publish("r1", PageEventBatch(snapshot=frozenset({h[1], h[2]})), PAGE)  # no first page: no prefix
+    index.apply(directory.changes(0))
+    assert index.matched_pages(h, ["r1"]) == {}
+    index.note_routed("r2", h[:3])
+    assert index.matched_pages(h, ["r1", "r2"]) == {"r2": 3}
+    assert index.matched_pages(h, ["r1"]) == {}  # only candidates count (r2 may be gone)
+    now[0] = 6.0
+    index.apply(directory.changes(index.seq))
+    assert index.matched_pages(h, ["r1", "r2"]) == {} and not index._provisional
+
+
+def test_the_policy_prefers_the_longest_prefix_until_loads_are_imbalanced() -> None:
+    policy = RoutingPolicy(balance_abs_threshold=4, balance_rel_threshold=1.5)
+    replicas = ["a", "b", "c"]
+    assert policy.rank(replicas, {"a": 3, "b": 0, "c": 0}, {"a": 5, "b": 2}) == [["a"], ["b", "c"]]
+    assert policy.rank(replicas, {}, {"a": 2, "b": 2}) == [["a", "b"], ["c"]]
+    assert policy.rank(replicas, {}, {}) == [replicas]
+    assert policy.rank(replicas, {"a": 9, "b": 2, "c": 4}, {"a": 5}) == [["b", "c", "a"]]  # 9 - 2 > 4 and 9 > 3
+    assert policy.rank(replicas, {"a": 5, "b": 4, "c": 4}, {"a": 5}) == [["a"], ["b", "c"]]  # within the thresholds
+    assert policy.rank([], {}, {}) == []
+
+
+def test_tenants_never_route_on_each_others_prefixes() -> None:
+    """The cache salt is mixed into the first page's hash: the same tokens of another tenant match nothing."""
+    pool = PagePool(n_pages=8, page_size=PAGE)
+    log = pool.prefix_cache.record_events()
+    tokens = list(range(12))
+    _fill(pool, tokens, salt="tenant-a")
+    directory = PageDirectory()
+    directory.publish("r1", log.drain(), PAGE)
+    index = PrefixIndex()
+    index.apply(directory.changes(0))
+    assert index.matched_pages(list(page_hashes(tokens, PAGE, "tenant-a")), ["r1"]) == {"r1": 3}
+    assert index.matched_pages(list(page_hashes(tokens, PAGE, "tenant-b")), ["r1"]) == {}

@@ -1,0 +1,93 @@
+"""Two engine replicas behind `serve run`, routed by the pages they cache (deployments.router).
+
+Each replica gets one torch thread, as two replicas share this machine's two cores. With Serve's
+default router a conversation's next turn lands on the replica without its history about half
+the time; here every later turn and every KV lookup must find its prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from serve_app.bench.servers import ServeRun
+from serve_app.kvsdk import connect, create_request, make_post_completion
+from tests.inprocess import MODEL, openai_client
+
+PAGE = 16
+TWO_REPLICAS = {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2}, "ray_actor_options": {"num_cpus": 0}}
+
+
+@pytest.fixture(scope="module")
+def two_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
+    run = ServeRun(
+        tmp_path_factory.mktemp("scale-out"),
+        args={"cache_tokens": 4096, "max_model_len": 2048, "num_threads": 1},
+        deployments={"EngineDeployment": TWO_REPLICAS},
+    )
+    try:
+        deadline = time.monotonic() + 120  # /health answers once one replica is up; wait for both
+        while len(_replica_tasks(run)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        yield run
+    finally:
+        run.stop()
+
+
+def _replica_tasks(run: ServeRun) -> dict[str, int]:
+    stats = httpx.get(f"{run.url}/stats/replicas", timeout=10).json()
+    return {replica: s["total_tasks"] for replica, s in stats.items()}
+
+
+def test_every_turn_of_a_conversation_finds_its_history_cached(two_engines: ServeRun) -> None:
+    client = openai_client(two_engines.url)
+    assert len(_replica_tasks(two_engines)) == 2
+
+    def converse(index: int) -> list[tuple[int, int]]:
+        system = f"You are assistant number {index}. " + f"Conversation {index} is about topic {index * 7}. " * 12
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Hello {index}."}]
+        seen = []
+        for turn in range(3):
+            reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+            seen.append((reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens))
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": f"Tell me more, turn {turn}."}]
+        return seen
+
+    with ThreadPoolExecutor(8) as pool:
+        conversations = list(pool.map(converse, range(8)))
+    for turns in conversations:
+        for (previous_prompt, _), (_, cached) in zip(turns, turns[1:]):
+            assert cached >= (previous_prompt - 1) // PAGE * PAGE, turns  # the whole earlier prompt, in pages
+    tasks = _replica_tasks(two_engines)
+    assert all(count > 0 for count in tasks.values()), tasks  # the conversations spread over both
+
+
+def test_the_choices_of_one_request_are_each_routed(two_engines: ServeRun) -> None:
+    """Serve gives every call of one HTTP request the same internal id, by which a router that keeps no
+    FIFO order matches calls to their pending requests: the ingress gives each engine call its own."""
+    client = openai_client(two_engines.url)
+    for _ in range(3):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4, n=4, temperature=1.0,
+            seed=1, timeout=60,
+        )
+        assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+
+
+def test_kv_lookups_and_retrieves_go_where_the_prefix_is(two_engines: ServeRun) -> None:
+    context = connect(two_engines.url)
+    post = make_post_completion(two_engines.url)
+    for index in range(6):
+        prompt = list(range(1000 + index * 100, 1000 + index * 100 + 3 * PAGE + 5))
+        create_request(context, post, prompt, cache_salt=f"kv-{index}").generate({"max_tokens": 1, "temperature": 0})
+        assert context.lookup(prompt, f"kv-{index}") == 3 * PAGE
+        kv = context.retrieve(prompt, f"kv-{index}")
+        assert kv is not None and kv.shape[2] == 3 * PAGE
+        assert context.lookup(prompt, f"other-{index}") == 0  # another salt: nothing, on either replica
+        assert context.store(kv, prompt[: 3 * PAGE], f"copy-{index}") is True
+        assert context.lookup(prompt, f"copy-{index}") == 3 * PAGE  # the store is found where it landed
