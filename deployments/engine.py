@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -46,6 +48,7 @@ class EngineDeployment:
         self._page_size = app_config.engine.cache.page_size
         self._board = board
         self._replica_id = serve.get_replica_context().replica_id.unique_id
+        self._place = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         # On the replica's event loop: Serve handles may be called only from a running loop.
         self._reporter = asyncio.get_running_loop().create_task(self._report_stats())
 
@@ -81,7 +84,9 @@ class EngineDeployment:
             if stats == last and not pages and waited < HEARTBEAT_S:
                 continue
             try:
-                lost_track = await self._board.report.remote(self._replica_id, stats, self.info, pages, self._page_size)
+                lost_track = await self._board.report.remote(
+                    self._replica_id, self._place, stats, self.info, pages, self._page_size
+                )
             except Exception:  # the board may be restarting; the next round retries with the same pages
                 logger.warning("could not report to the board", exc_info=True)
                 continue

@@ -88,7 +88,7 @@ class RayEngineClient(EngineClient):
     async def stats(self) -> dict[str, int]:
         return await self._board.summed.remote()
 
-    async def replica_stats(self) -> dict[str, dict[str, int]]:
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
         return await self._board.per_replica.remote()
 
     async def ready(self) -> bool:

@@ -25,15 +25,23 @@ NAME = "ReplicaBoard"
 )
 class ReplicaBoard:
     def __init__(self) -> None:
-        self._reports: dict[str, tuple[float, dict[str, int]]] = {}
+        self._reports: dict[str, tuple[float, dict[str, Any], dict[str, int]]] = {}  # replica -> (when, place, stats)
         self._model_info: Any = None
         self._pages = PageDirectory()
 
-    def report(self, replica_id: str, stats: dict[str, int], model_info: Any, pages: PageEventBatch, page_size: int) -> bool:
-        """Record a replica's report; True when the board needs a snapshot of its pages (it has forgotten
-        a replica that fell silent and came back)."""
+    def report(
+        self,
+        replica_id: str,
+        place: dict[str, Any],
+        stats: dict[str, int],
+        model_info: Any,
+        pages: PageEventBatch,
+        page_size: int,
+    ) -> bool:
+        """Record a replica's report (`place`: its Ray node and process id); True when the board needs a
+        snapshot of its pages (it has forgotten a replica that fell silent and came back)."""
         known = replica_id in self._reports
-        self._reports[replica_id] = (time.monotonic(), stats)
+        self._reports[replica_id] = (time.monotonic(), place, stats)
         self._model_info = model_info
         if not known and pages.snapshot is None:
             return True
@@ -42,10 +50,10 @@ class ReplicaBoard:
 
     def _live(self) -> list[dict[str, int]]:
         now = time.monotonic()
-        for replica_id in [k for k, (at, _) in self._reports.items() if now - at >= STALE_AFTER_S]:
+        for replica_id in [k for k, (at, _, _) in self._reports.items() if now - at >= STALE_AFTER_S]:
             del self._reports[replica_id]
             self._pages.forget(replica_id)
-        return [stats for _, stats in self._reports.values()]
+        return [stats for _, _, stats in self._reports.values()]
 
     def summed(self) -> dict[str, int]:
         live = self._live()
@@ -55,9 +63,10 @@ class ReplicaBoard:
                 total[key] = total.get(key, 0) + value
         return total
 
-    def per_replica(self) -> dict[str, dict[str, int]]:
+    def per_replica(self) -> dict[str, dict[str, Any]]:
+        """Each live replica's stats, and where it runs (`node_id`, `pid`)."""
         self._live()
-        return {replica_id: stats for replica_id, (_, stats) in self._reports.items()}
+        return {replica_id: {**place, **stats} for replica_id, (_, place, stats) in self._reports.items()}
 
     def status(self) -> tuple[bool, Any]:
         """(an engine replica is up, the served model's info)."""

@@ -36,9 +36,13 @@ logger = logging.getLogger(__name__)
 
 class PrefixAwareRouter(RequestRouter):
     def initialize_state(
-        self, balance_abs_threshold: int = 16, balance_rel_threshold: float = 1.5, refresh_s: float = 0.05
+        self,
+        balance_abs_threshold: int = 16,
+        balance_rel_threshold: float = 1.5,
+        min_match_ratio: float = 0.5,
+        refresh_s: float = 0.05,
     ) -> None:
-        self._policy = RoutingPolicy(balance_abs_threshold, balance_rel_threshold)
+        self._policy = RoutingPolicy(balance_abs_threshold, balance_rel_threshold, min_match_ratio)
         self._index = PrefixIndex()
         self._refresh_s = refresh_s
         self._follower: asyncio.Task | None = None
@@ -53,7 +57,8 @@ class PrefixAwareRouter(RequestRouter):
         hashes = self._page_hashes(pending_request)
         matched = self._index.matched_pages(hashes, by_id) if hashes else {}
         loads = {key: self.replica_queue_len_cache.get(replica.replica_id) or 0 for key, replica in by_id.items()}
-        return [[by_id[key] for key in group] for group in self._policy.rank(list(by_id), loads, matched)]
+        ranked = self._policy.rank(list(by_id), loads, matched, len(hashes))
+        return [[by_id[key] for key in group] for group in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         hashes = self._page_hashes(pending_request)

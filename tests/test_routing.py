@@ -102,14 +102,15 @@ def test_a_router_counts_leading_pages_only_and_holds_routed_prompts_for_a_while
 
 
 def test_the_policy_prefers_the_longest_prefix_until_loads_are_imbalanced() -> None:
-    policy = RoutingPolicy(balance_abs_threshold=4, balance_rel_threshold=1.5)
+    policy = RoutingPolicy(balance_abs_threshold=4, balance_rel_threshold=1.5, min_match_ratio=0.5)
     replicas = ["a", "b", "c"]
-    assert policy.rank(replicas, {"a": 3, "b": 0, "c": 0}, {"a": 5, "b": 2}) == [["a"], ["b", "c"]]
-    assert policy.rank(replicas, {}, {"a": 2, "b": 2}) == [["a", "b"], ["c"]]
-    assert policy.rank(replicas, {}, {}) == [replicas]
-    assert policy.rank(replicas, {"a": 9, "b": 2, "c": 4}, {"a": 5}) == [["b", "c", "a"]]  # 9 - 2 > 4 and 9 > 3
-    assert policy.rank(replicas, {"a": 5, "b": 4, "c": 4}, {"a": 5}) == [["a"], ["b", "c"]]  # within the thresholds
-    assert policy.rank([], {}, {}) == []
+    assert policy.rank(replicas, {"a": 3, "b": 0, "c": 0}, {"a": 5, "b": 2}, 6) == [["a"], ["b", "c"]]
+    assert policy.rank(replicas, {}, {"a": 2, "b": 2}, 4) == [["a", "b"], ["c"]]
+    assert policy.rank(replicas, {}, {}, 4) == [replicas]
+    assert policy.rank(replicas, {"a": 9, "b": 2, "c": 4}, {"a": 5}, 6) == [["b", "c", "a"]]  # 9 - 2 > 4 and 9 > 3
+    assert policy.rank(replicas, {"a": 5, "b": 4, "c": 4}, {"a": 5}, 6) == [["a"], ["b", "c"]]  # within the thresholds
+    assert policy.rank(replicas, {}, {"a": 1}, 8) == [replicas]  # one shared page of eight: load decides
+    assert policy.rank([], {}, {}, 0) == []
 
 
 def test_tenants_never_route_on_each_others_prefixes() -> None:

@@ -121,11 +121,12 @@ def free_port() -> int:
 
 
 class ServeRun:
-    """`serve run` on a Serve config (the project's by default), moved to a free port, args and deployment
-    options (`deployments`: name -> options to set) overridden.
+    """`serve run` on a Serve config (the project's by default), moved to a free port, args, deployment
+    options (`deployments`: name -> options to set) and `proxy_location` overridden.
 
     It starts a Ray cluster of its own (`--address local`, its own temp dir), so it never joins,
-    nor disturbs, a cluster that happens to run on this machine.
+    nor disturbs, a cluster that happens to run on this machine; with `address` it runs on that
+    cluster instead (whose processes then need `serve_env()` themselves), `env` added to its environment.
     """
 
     def __init__(
@@ -135,10 +136,15 @@ class ServeRun:
         timeout: float = 240.0,
         config_path: Path | None = None,
         deployments: dict[str, dict] | None = None,
+        address: str | None = None,
+        proxy_location: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         config = yaml.safe_load((config_path or ROOT / "serve_config.yaml").read_text())
         self.port = free_port()
         config["http_options"]["port"] = self.port
+        if proxy_location is not None:
+            config["proxy_location"] = proxy_location
         app = config["applications"][0]
         app["args"].update(args or {})
         for deployment in app["deployments"]:
@@ -151,9 +157,9 @@ class ServeRun:
         serve = Path(sys.executable).parent / "serve"
         # Short: Ray's socket paths under it must stay within the 107 characters a Unix socket allows.
         self.ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-        self.env = {**serve_env(), "RAY_TMPDIR": self.ray_dir}
+        self.env = {**serve_env(), "RAY_TMPDIR": self.ray_dir, **(env or {})}
         self.process = subprocess.Popen(
-            [str(serve), "run", "--address", "local", str(path)],
+            [str(serve), "run", "--address", address or "local", str(path)],
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,

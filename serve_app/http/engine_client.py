@@ -53,8 +53,8 @@ class EngineClient(ABC):
         """The stats of every engine replica, summed."""
 
     @abstractmethod
-    async def replica_stats(self) -> dict[str, dict[str, int]]:
-        """Each engine replica's stats, by replica id."""
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Each engine replica's stats (and, on a Ray cluster, its `node_id` and `pid`), by replica id."""
 
     @abstractmethod
     async def ready(self) -> bool: ...
@@ -97,7 +97,7 @@ class LocalEngineClient(EngineClient):
     async def stats(self) -> dict[str, int]:
         return self.engine.get_stats()
 
-    async def replica_stats(self) -> dict[str, dict[str, int]]:
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
         return {"in-process": self.engine.get_stats()}
 
     async def ready(self) -> bool:
