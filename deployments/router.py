@@ -27,9 +27,9 @@ from ray.serve.request_router import (
 from deployments.replica_board import NAME as BOARD
 from serve_app.engine.calls import LookupKV, RetrieveKV, StoreKV
 from serve_app.engine.request import GenerateRequest
-from serve_app.kv.prefix_cache import PageHash, page_hashes
+from serve_app.kv.prefix_cache import PageHash
+from serve_app.routing.decision import PrefixRouting
 from serve_app.routing.policy import RoutingPolicy
-from serve_app.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +37,12 @@ logger = logging.getLogger(__name__)
 class PrefixAwareRouter(RequestRouter):
     def initialize_state(
         self,
-        balance_abs_threshold: int = 16,
+        balance_abs_threshold: int = 4,
         balance_rel_threshold: float = 1.5,
         min_match_ratio: float = 0.5,
         refresh_s: float = 0.05,
     ) -> None:
-        self._policy = RoutingPolicy(balance_abs_threshold, balance_rel_threshold, min_match_ratio)
-        self._index = PrefixIndex()
+        self._routing = PrefixRouting(RoutingPolicy(balance_abs_threshold, balance_rel_threshold, min_match_ratio))
         self._refresh_s = refresh_s
         self._follower: asyncio.Task | None = None
 
@@ -54,26 +53,17 @@ class PrefixAwareRouter(RequestRouter):
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # full replicas: wait, do not spin
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        hashes = self._page_hashes(pending_request)
-        matched = self._index.matched_pages(hashes, by_id) if hashes else {}
         loads = {key: self.replica_queue_len_cache.get(replica.replica_id) or 0 for key, replica in by_id.items()}
-        ranked = self._policy.rank(list(by_id), loads, matched, len(hashes))
+        ranked = self._routing.rank(self._page_hashes(pending_request), by_id, loads)
         return [[by_id[key] for key in group] for group in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        hashes = self._page_hashes(pending_request)
-        if hashes:
-            self._index.note_routed(replica_id.unique_id, hashes)
+        self._routing.routed(replica_id.unique_id, self._page_hashes(pending_request))
 
-    def _page_hashes(self, pending_request: PendingRequest | None) -> Sequence[PageHash]:
+    def _page_hashes(self, pending_request: PendingRequest | None) -> list[PageHash]:
         """The chained hashes of the request's whole prompt pages, as the engine's prefix cache makes them."""
-        if pending_request is None or self._index.page_size is None:
-            return ()
-        key = _prompt_of(pending_request.args)
-        if key is None:
-            return ()
-        tokens, salt = key
-        return list(page_hashes(tokens, self._index.page_size, salt))
+        key = _prompt_of(pending_request.args) if pending_request is not None else None
+        return self._routing.hashes(*key) if key is not None else []
 
     def _follow_the_board(self) -> None:
         if self._follower is None or self._follower.done():
@@ -83,7 +73,8 @@ class PrefixAwareRouter(RequestRouter):
         board = serve.get_deployment_handle(BOARD, self.app_name)
         while True:
             try:
-                self._index.apply(await board.page_changes.remote(self._index.seq))
+                index = self._routing.index
+                index.apply(await board.page_changes.remote(index.seq))
             except Exception:  # the board may be restarting; routing goes on with what is known
                 logger.warning("could not read the page directory", exc_info=True)
                 await asyncio.sleep(1.0)

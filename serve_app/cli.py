@@ -55,6 +55,14 @@ def _bench_structured(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_route(args: argparse.Namespace) -> None:
+    if not args.simulate:
+        raise SystemExit("bench route: only --simulate is available (the router's code against simulated replicas)")
+    from serve_app.bench.route_sim import main
+
+    main(args)
+
+
 def _str_list(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
 
@@ -137,6 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--seed", type=int, default=0)
     structured.add_argument("--json", default=None)
     structured.set_defaults(func=_bench_structured)
+
+    route = bench.add_parser("route", help="the prefix-aware router against Serve's default, on simulated replicas")
+    route.add_argument("--simulate", action="store_true", help="no model: N simulated replicas (page caches, service times)")
+    route.add_argument("--replicas", type=_int_list, default=[2, 8, 64])
+    route.add_argument("--tenants", type=int, default=16)
+    route.add_argument("--conversations-per-replica", type=int, default=32)
+    route.add_argument("--turns", type=int, default=4)
+    route.add_argument("--arrival-rate-per-replica", type=float, default=1.0, help="new conversations per second")
+    route.add_argument("--cache-pages", type=int, default=2048, help="pages per simulated replica")
+    route.add_argument("--page-size", type=int, default=16)
+    route.add_argument("--balance-abs-threshold", type=int, default=4)
+    route.add_argument("--balance-rel-threshold", type=float, default=1.5)
+    route.add_argument("--min-match-ratio", type=float, default=0.5)
+    route.add_argument("--seed", type=int, default=0)
+    route.add_argument("--json", default=None)
+    route.set_defaults(func=_bench_route)
     return parser
 
 

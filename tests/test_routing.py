@@ -125,3 +125,20 @@ def test_tenants_never_route_on_each_others_prefixes() -> None:
     index.apply(directory.changes(0))
     assert index.matched_pages(list(page_hashes(tokens, PAGE, "tenant-a")), ["r1"]) == {"r1": 3}
     assert index.matched_pages(list(page_hashes(tokens, PAGE, "tenant-b")), ["r1"]) == {}
+
+
+def test_the_simulated_fleet_keeps_its_hits_and_its_balance() -> None:
+    """`bench route --simulate`, small: the router's own code against simulated replicas, beside Serve's
+    power-of-two choices on the same trace."""
+    from serve_app.bench.route_sim import ReplicaModel, Workload, simulate
+
+    policy = RoutingPolicy()
+    for replicas in (2, 4):
+        workload = Workload(tenants=8, conversations=24 * replicas, turns=3, arrival_rate=replicas)
+        ours = simulate("prefix", replicas, workload, ReplicaModel(), policy)
+        default = simulate("pow2", replicas, workload, ReplicaModel(), policy)
+        assert ours.requests == default.requests == 24 * replicas * 3
+        assert ours.cached_tokens >= 0.9 * ours.ideal_cached_tokens
+        assert ours.cached_tokens > default.cached_tokens
+        assert max(ours.per_replica) <= 1.5 * min(ours.per_replica), ours.per_replica
+        assert ours.decision_s and max(ours.decision_s) < 0.05

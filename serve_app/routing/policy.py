@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RoutingPolicy:
-    balance_abs_threshold: int = 16
+    balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
     min_match_ratio: float = 0.5
 

@@ -1,0 +1,34 @@
+"""PrefixRouting: one routing decision, the same in Serve's request router and in the simulation of
+`bench route --simulate`: hash the prompt's whole pages as the prefix cache does, count the leading
+pages each replica holds, and rank the replicas by the policy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from serve_app.kv.prefix_cache import PageHash, page_hashes
+from serve_app.routing.policy import RoutingPolicy
+from serve_app.routing.prefix_index import PrefixIndex
+
+
+class PrefixRouting:
+    def __init__(self, policy: RoutingPolicy, index: PrefixIndex | None = None) -> None:
+        self.policy = policy
+        self.index = index or PrefixIndex()
+
+    def hashes(self, tokens: Sequence[int], cache_salt: str) -> list[PageHash]:
+        """The prompt's page hashes (none until the directory has said what a page is)."""
+        if self.index.page_size is None:
+            return []
+        return list(page_hashes(tokens, self.index.page_size, cache_salt))
+
+    def rank(self, hashes: Sequence[PageHash], candidates: Iterable[str], loads: Mapping[str, int]) -> list[list[str]]:
+        """Groups of candidates, best first (the least loaded of a group takes the request)."""
+        candidates = list(candidates)
+        matched = self.index.matched_pages(hashes, candidates) if hashes else {}
+        return self.policy.rank(candidates, loads, matched, len(hashes))
+
+    def routed(self, replica: str, hashes: Sequence[PageHash]) -> None:
+        """A request with these pages went to `replica`: hold them there until its events say so."""
+        if hashes:
+            self.index.note_routed(replica, hashes)
