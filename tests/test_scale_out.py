@@ -19,7 +19,15 @@ from serve_app.kvsdk import connect, create_request, make_post_completion
 from tests.inprocess import MODEL, openai_client
 
 PAGE = 16
-TWO_REPLICAS = {"autoscaling_config": {"min_replicas": 2, "max_replicas": 2}, "ray_actor_options": {"num_cpus": 0}}
+TWO_REPLICAS = {
+    "autoscaling_config": {"min_replicas": 2, "max_replicas": 2},
+    "ray_actor_options": {"num_cpus": 0},
+    # Eight conversations at once on two replicas: the history decides, not a passing imbalance of a few.
+    "request_router_config": {
+        "request_router_class": "deployments.router:PrefixAwareRouter",
+        "request_router_kwargs": {"balance_abs_threshold": 16, "balance_rel_threshold": 1.5, "min_match_ratio": 0.5},
+    },
+}
 
 
 @pytest.fixture(scope="module")
