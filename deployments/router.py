@@ -4,14 +4,16 @@ prompt's pages (the prefix cache's own chained hashes, with the tenant's cache s
 queues are imbalanced; KV calls (`LookupKV`, `RetrieveKV`, `StoreKV`) go where their prefix is.
 
 It learns what each replica holds by following the ReplicaBoard's page directory in the
-background (every ingress's router reads the same view) and by noting where it has just sent a
-prompt. Nothing here blocks the router's event loop.
+background while requests come (every ingress's router reads the same view; an idle router stops
+asking, and catches up on its next request) and by noting where it has just sent a prompt.
+Nothing here blocks the router's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +35,9 @@ from serve_app.routing.policy import RoutingPolicy
 
 logger = logging.getLogger(__name__)
 
+# A router that has routed nothing for this long stops following the board until its next request.
+IDLE_AFTER_S = 30.0
+
 
 class PrefixAwareRouter(RequestRouter):
     def initialize_state(
@@ -45,6 +50,7 @@ class PrefixAwareRouter(RequestRouter):
         self._routing = PrefixRouting(RoutingPolicy(balance_abs_threshold, balance_rel_threshold, min_match_ratio))
         self._refresh_s = refresh_s
         self._follower: asyncio.Task | None = None
+        self._last_request = 0.0
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -66,12 +72,13 @@ class PrefixAwareRouter(RequestRouter):
         return self._routing.hashes(*key) if key is not None else []
 
     def _follow_the_board(self) -> None:
+        self._last_request = time.monotonic()
         if self._follower is None or self._follower.done():
             self._follower = asyncio.get_running_loop().create_task(self._follow())
 
     async def _follow(self) -> None:
         board = serve.get_deployment_handle(BOARD, self.app_name)
-        while True:
+        while time.monotonic() - self._last_request < IDLE_AFTER_S:
             try:
                 index = self._routing.index
                 index.apply(await board.page_changes.remote(index.seq))
