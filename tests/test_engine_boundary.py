@@ -23,6 +23,7 @@ from serve_app.engine.messages import (
     Call,
     Deltas,
     Health,
+    PagesChanged,
     Ready,
     Reply,
     Shutdown,
@@ -32,6 +33,8 @@ from serve_app.engine.messages import (
 )
 from serve_app.engine.request import GenerateRequest
 from serve_app.errors import EngineOverloadedError
+from serve_app.kv.page_events import PageEventBatch
+from serve_app.kv.prefix_cache import page_hashes
 
 OPTIONS = dict(kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=512)
 LONG_PROMPT = list(range(1, 449))  # 28 pages: its KV is far bigger than the call channel's socket buffer
@@ -52,15 +55,22 @@ class ChildOverSockets:
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         self.streams = Connection(stream_host.detach())
         self.calls = Connection(call_host.detach())
+        self.page_events: list[PageEventBatch] = []  # what `next_stream_message` passed over
         child = EngineChild(engine, Connection(stream_child.detach()), Connection(call_child.detach()))
         self.thread = threading.Thread(target=child.serve, daemon=True)
         self.thread.start()
         assert isinstance(receive(self.streams), Ready)
 
     def next_stream_message(self, timeout: float) -> object:
-        if not self.streams.poll(timeout):
-            raise AssertionError(f"nothing on the stream channel for {timeout} s")
-        return receive(self.streams)
+        """The next message about requests (page events, which come after any round that cached pages, apart)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.streams.poll(max(0.0, deadline - time.monotonic())):
+                raise AssertionError(f"nothing on the stream channel for {timeout} s")
+            message = receive(self.streams)
+            if not isinstance(message, PagesChanged):
+                return message
+            self.page_events.append(message.batch)
 
     def finish_of(self, call_id: int, timeout: float = 30.0) -> tuple[int, list[int]]:
         """Read the stream channel until the request of `call_id` has finished: (task id, its tokens)."""
@@ -230,3 +240,24 @@ def test_calls_are_bounded_and_one_that_timed_out_never_runs(tiny_llama_path: Pa
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_the_engine_process_reports_the_pages_it_caches(engine: InferenceEngine) -> None:
+    child = ChildOverSockets(engine)
+    try:
+        send(child.streams, Submit(1, _greedy(LONG_PROMPT, 1, cache_salt="events")))
+        child.finish_of(1)
+        expected = set(page_hashes(LONG_PROMPT, engine.kv_config().page_size, "events"))
+        deadline = time.monotonic() + 10
+        held: set = set()
+        while not expected <= held and time.monotonic() < deadline:
+            for batch in child.page_events:
+                held = batch.applied_to(held)
+            child.page_events.clear()
+            try:
+                child.next_stream_message(0.2)
+            except AssertionError:  # nothing else to read: the events may be all there
+                pass
+        assert expected <= held
+    finally:
+        child.close()
