@@ -294,3 +294,28 @@ def test_a_required_tool_call_through_serve(oai: openai.OpenAI) -> None:
     call = reply.choices[0].message.tool_calls[0]
     assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+def test_streamed_tool_calls_and_a_tool_loop_through_serve(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    """Both SDKs' stream helpers assemble the calls the engine replica's grammar forced; results go back in."""
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather.", "parameters": parameters}}
+    ask = [{"role": "user", "content": "Weather in Rome?"}]
+    with oai.chat.completions.stream(
+        model=MODEL, messages=ask, tools=[tool], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60, temperature=0,
+    ) as stream:
+        final = stream.get_final_completion()
+    call = final.choices[0].message.tool_calls[0]
+    assert final.choices[0].finish_reason == "tool_calls" and isinstance(json.loads(call.function.arguments)["city"], str)
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
+    answer = oai.chat.completions.create(model=MODEL, messages=history, tools=[tool], tool_choice="none", max_tokens=12,
+                                         temperature=0)
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    claude_tool = {"name": "get_weather", "description": "The weather.", "input_schema": parameters}
+    with claude.messages.stream(model=MODEL, max_tokens=60, messages=ask, tools=[claude_tool], tool_choice={"type": "any"},
+                                extra_body={"temperature": 0}) as stream:
+        message = stream.get_final_message()
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and uses and isinstance(uses[0].input["city"], str)
