@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -85,8 +86,9 @@ class TwoNodeCluster:
 
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        # Token authentication, as Ray sets up a cluster by default, for every process that joins it.
-        self.env = {**serve_env(), "RAY_AUTH_MODE": "token"}
+        # Token authentication, as Ray sets up a cluster by default, for every process that joins it,
+        # with a token of the cluster's own (none need be in ~/.ray on a fresh machine).
+        self.env = {**serve_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         self._temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
         ray = str(Path(sys.executable).parent / "ray")
         environ = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **self.env}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -114,10 +115,21 @@ def _without_ray_address(environ: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, value in environ.items() if key != "RAY_ADDRESS"}
 
 
+# Below the kernel's ephemeral range (where it picks ports for outgoing connections and for Ray's own
+# listeners) and above Ray's worker ports: a port chosen here stays free until the server binds it.
+QUIET_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port on loopback that nothing holds, outside the ephemeral range (see QUIET_PORTS)."""
+    for port in random.sample(QUIET_PORTS, 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {QUIET_PORTS}")
 
 
 class ServeRun:
