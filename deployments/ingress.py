@@ -91,6 +91,9 @@ class RayEngineClient(EngineClient):
     async def replica_stats(self) -> dict[str, dict[str, Any]]:
         return await self._board.per_replica.remote()
 
+    async def routing_stats(self) -> dict[str, dict[str, float]]:
+        return await self._board.routing.remote()
+
     async def ready(self) -> bool:
         """The board's last answer; an old one is refreshed in the background, off the request's path."""
         if self._info is None:

@@ -1,6 +1,7 @@
 """ReplicaBoard: where every engine replica reports its stats and the pages its prefix cache holds.
 The ingress sums the stats and reads readiness here; each ingress's request router follows the
-page directory (`page_changes`), so all of them route on the same view."""
+page directory (`page_changes`), so all of them route on the same view, and says what its decisions
+cost (`report_routing`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from serve_app.routing.page_directory import PageChanges, PageDirectory
 
 # A replica that has not reported for this long is gone.
 STALE_AFTER_S = 3.0
+# The request routers' reports of their decisions' cost are kept this long after their last one.
+ROUTER_REPORTS_KEPT_S = 600.0
 NAME = "ReplicaBoard"
 
 
@@ -28,6 +31,7 @@ class ReplicaBoard:
         self._reports: dict[str, tuple[float, dict[str, Any], dict[str, int]]] = {}  # replica -> (when, place, stats)
         self._model_info: Any = None
         self._pages = PageDirectory()
+        self._routers: dict[str, tuple[float, dict[str, float]]] = {}  # router -> (when, decision costs)
 
     def report(
         self,
@@ -71,6 +75,17 @@ class ReplicaBoard:
     def status(self) -> tuple[bool, Any]:
         """(an engine replica is up, the served model's info)."""
         return bool(self._live()), self._model_info
+
+    def report_routing(self, router: str, costs: dict[str, float]) -> None:
+        """A request router's decision count and costs (`DecisionCosts.summary`)."""
+        self._routers[router] = (time.monotonic(), costs)
+
+    def routing(self) -> dict[str, dict[str, float]]:
+        """Each request router's latest report, by router (its application, process and instance)."""
+        now = time.monotonic()
+        for router in [k for k, (at, _) in self._routers.items() if now - at >= ROUTER_REPORTS_KEPT_S]:
+            del self._routers[router]
+        return {router: costs for router, (_, costs) in self._routers.items()}
 
     def page_changes(self, since: int) -> PageChanges:
         """What the replicas' prefix caches gained and lost after `since` (see `PageDirectory.changes`)."""

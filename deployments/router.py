@@ -5,15 +5,17 @@ queues are imbalanced; KV calls (`LookupKV`, `RetrieveKV`, `StoreKV`) go where t
 
 It learns what each replica holds by following the ReplicaBoard's page directory in the
 background while requests come (every ingress's router reads the same view; an idle router stops
-asking, and catches up on its next request) and by noting where it has just sent a prompt.
-Nothing here blocks the router's event loop.
+asking, and catches up on its next request) and by noting where it has just sent a prompt. It times
+its own decisions and tells the board (`/stats/routing`). Nothing here blocks the router's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +32,7 @@ from deployments.replica_board import NAME as BOARD
 from serve_app.engine.calls import LookupKV, RetrieveKV, StoreKV
 from serve_app.engine.request import GenerateRequest
 from serve_app.kv.prefix_cache import PageHash
+from serve_app.routing.costs import DecisionCosts
 from serve_app.routing.decision import PrefixRouting
 from serve_app.routing.policy import RoutingPolicy
 
@@ -37,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 # A router that has routed nothing for this long stops following the board until its next request.
 IDLE_AFTER_S = 30.0
+# How often a router tells the board what its decisions cost (`/stats/routing`).
+REPORT_COSTS_S = 2.0
+# Page hashes kept for requests between their first ranking and their routing.
+PENDING_HASHES = 4096
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -51,25 +58,43 @@ class PrefixAwareRouter(RequestRouter):
         self._refresh_s = refresh_s
         self._follower: asyncio.Task | None = None
         self._last_request = 0.0
+        self._hashes: OrderedDict[str, list[PageHash]] = OrderedDict()  # by internal request id, until routed
+        self._costs = DecisionCosts()
+        self._reported_decisions = 0
+        self._name = f"{self.app_name}:{os.getpid()}:{id(self):x}"
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         self._follow_the_board()
+        started = time.perf_counter()
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # full replicas: wait, do not spin
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         loads = {key: self.replica_queue_len_cache.get(replica.replica_id) or 0 for key, replica in by_id.items()}
         ranked = self._routing.rank(self._page_hashes(pending_request), by_id, loads)
+        self._costs.add(time.perf_counter() - started)
         return [[by_id[key] for key in group] for group in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        self._routing.routed(replica_id.unique_id, self._page_hashes(pending_request))
+        hashes = self._hashes.pop(pending_request.metadata.internal_request_id, None)
+        self._routing.routed(replica_id.unique_id, hashes if hashes is not None else self._page_hashes(pending_request))
 
     def _page_hashes(self, pending_request: PendingRequest | None) -> list[PageHash]:
-        """The chained hashes of the request's whole prompt pages, as the engine's prefix cache makes them."""
-        key = _prompt_of(pending_request.args) if pending_request is not None else None
-        return self._routing.hashes(*key) if key is not None else []
+        """The chained hashes of the request's whole prompt pages, as the engine's prefix cache makes them:
+        made once per request (a request that waits for a replica is ranked again on every try)."""
+        if pending_request is None:
+            return []
+        request_id = pending_request.metadata.internal_request_id
+        hashes = self._hashes.get(request_id)
+        if hashes is None:
+            key = _prompt_of(pending_request.args)
+            hashes = self._routing.hashes(*key) if key is not None else []
+            if hashes:  # none before the directory has said what a page is: ask again next time
+                self._hashes[request_id] = hashes
+                while len(self._hashes) > PENDING_HASHES:  # requests cancelled before they were routed
+                    self._hashes.popitem(last=False)
+        return hashes
 
     def _follow_the_board(self) -> None:
         self._last_request = time.monotonic()
@@ -78,10 +103,14 @@ class PrefixAwareRouter(RequestRouter):
 
     async def _follow(self) -> None:
         board = serve.get_deployment_handle(BOARD, self.app_name)
+        last_report = 0.0
         while time.monotonic() - self._last_request < IDLE_AFTER_S:
             try:
                 index = self._routing.index
                 index.apply(await board.page_changes.remote(index.seq))
+                if self._costs.decisions > self._reported_decisions and time.monotonic() - last_report >= REPORT_COSTS_S:
+                    self._reported_decisions, last_report = self._costs.decisions, time.monotonic()
+                    await board.report_routing.remote(self._name, self._costs.summary())
             except Exception:  # the board may be restarting; routing goes on with what is known
                 logger.warning("could not read the page directory", exc_info=True)
                 await asyncio.sleep(1.0)

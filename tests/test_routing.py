@@ -107,7 +107,8 @@ def test_the_policy_prefers_the_longest_prefix_until_loads_are_imbalanced() -> N
     assert policy.rank(replicas, {"a": 3, "b": 0, "c": 0}, {"a": 5, "b": 2}, 6) == [["a"], ["b", "c"]]
     assert policy.rank(replicas, {}, {"a": 2, "b": 2}, 4) == [["a", "b"], ["c"]]
     assert policy.rank(replicas, {}, {}, 4) == [replicas]
-    assert policy.rank(replicas, {"a": 9, "b": 2, "c": 4}, {"a": 5}, 6) == [["b", "c", "a"]]  # 9 - 2 > 4 and 9 > 3
+    assert policy.rank(replicas, {"a": 9, "b": 2, "c": 4}, {"a": 5}, 6) == [["b", "c"], ["a"]]  # 9 - 2 > 4 and 9 > 3
+    assert policy.rank(replicas, {"a": 9, "b": 2, "c": 4}, {"a": 5, "c": 5}, 6) == [["c"], ["b"], ["a"]]  # c: 4 - 2 <= 4
     assert policy.rank(replicas, {"a": 5, "b": 4, "c": 4}, {"a": 5}, 6) == [["a"], ["b", "c"]]  # within the thresholds
     assert policy.rank(replicas, {}, {"a": 1}, 8) == [replicas]  # one shared page of eight: load decides
     assert policy.rank([], {}, {}, 0) == []
@@ -141,4 +142,17 @@ def test_the_simulated_fleet_keeps_its_hits_and_its_balance() -> None:
         assert ours.cached_tokens >= 0.9 * ours.ideal_cached_tokens
         assert ours.cached_tokens > default.cached_tokens
         assert max(ours.per_replica) <= 1.5 * min(ours.per_replica), ours.per_replica
-        assert ours.decision_s and max(ours.decision_s) < 0.05
+        assert ours.decisions.decisions == ours.requests  # one timed decision per request
+
+
+def test_decision_costs_keep_a_bounded_sample_and_count_them_all() -> None:
+    from serve_app.routing.costs import DecisionCosts
+
+    costs = DecisionCosts(keep=100)
+    assert costs.summary() == {"decisions": 0}
+    for micro in range(1, 1001):
+        costs.add(micro * 1e-6)
+    summary = costs.summary()
+    assert summary["decisions"] == 1000
+    assert summary["max_us"] == 1000.0 and summary["p50_us"] == 950.5  # only the latest 100 are kept
+    assert 990 <= summary["p99_us"] <= 1000

@@ -99,3 +99,19 @@ def test_kv_lookups_and_retrieves_go_where_the_prefix_is(two_engines: ServeRun) 
         assert context.lookup(prompt, f"other-{index}") == 0  # another salt: nothing, on either replica
         assert context.store(kv, prompt[: 3 * PAGE], f"copy-{index}") is True
         assert context.lookup(prompt, f"copy-{index}") == 3 * PAGE  # the store is found where it landed
+
+
+def test_the_router_reports_what_its_decisions_cost(two_engines: ServeRun) -> None:
+    client = openai_client(two_engines.url)
+    before = sum(r["decisions"] for r in httpx.get(f"{two_engines.url}/stats/routing", timeout=10).json().values())
+    for index in range(3):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Hi {index}"}], max_tokens=2)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        routers = httpx.get(f"{two_engines.url}/stats/routing", timeout=10).json()
+        if sum(r["decisions"] for r in routers.values()) >= before + 3:
+            break
+        time.sleep(0.5)
+    assert sum(r["decisions"] for r in routers.values()) >= before + 3, routers
+    for costs in routers.values():
+        assert 0 < costs["p50_us"] <= costs["p99_us"] <= costs["max_us"], costs

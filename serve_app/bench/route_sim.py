@@ -17,14 +17,15 @@ import argparse
 import heapq
 import json
 import random
-import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from serve_app.bench.stats import dict_table
 from serve_app.kv.page_events import PageEventBatch, PageHash
 from serve_app.kv.prefix_cache import page_hashes
+from serve_app.routing.costs import DecisionCosts
 from serve_app.routing.decision import PrefixRouting
 from serve_app.routing.page_directory import PageDirectory
 from serve_app.routing.policy import RoutingPolicy
@@ -108,18 +109,18 @@ class Result:
     cached_tokens: int
     ideal_cached_tokens: int
     per_replica: list[int]
-    decision_s: list[float] = field(default_factory=list)
+    decisions: DecisionCosts = field(default_factory=lambda: DecisionCosts(keep=1 << 20))
 
     def row(self) -> dict[str, object]:
-        ordered = sorted(self.decision_s)
+        costs = self.decisions.summary()
         return {
             "router": self.router,
             "replicas": self.replicas,
             "requests": self.requests,
             "hit ratio vs one cache": round(self.cached_tokens / max(1, self.ideal_cached_tokens), 3),
             "max/min requests": round(max(self.per_replica) / max(1, min(self.per_replica)), 2),
-            "decision p50 us": round(statistics.median(ordered) * 1e6, 1) if ordered else None,
-            "decision p99 us": round(ordered[int(0.99 * (len(ordered) - 1))] * 1e6, 1) if ordered else None,
+            "decision p50 us": costs.get("p50_us"),
+            "decision p99 us": costs.get("p99_us"),
         }
 
 
@@ -195,7 +196,7 @@ def simulate(router: str, replicas: int, workload: Workload, model: ReplicaModel
             hashes = list(page_hashes(turn.prompt, model.page_size, salt))
             pair = choice_rng.sample(fleet, min(2, len(fleet)))
             chosen = min(pair, key=lambda replica: replica.in_flight)
-        result.decision_s.append(time.perf_counter() - started)
+        result.decisions.add(time.perf_counter() - started)
         hit = chosen.cached_prefix(hashes)
         ideal_hit = 0
         for page_hash in hashes:
@@ -224,19 +225,13 @@ def main(args: argparse.Namespace) -> None:
     rows = []
     for replicas in args.replicas:
         workload = Workload(
-            tenants=args.tenants, conversations=args.conversations_per_replica * replicas, turns=args.turns,
+            tenants=args.tenants or 16, conversations=args.conversations_per_replica * replicas, turns=args.turns,
             arrival_rate=args.arrival_rate_per_replica * replicas, seed=args.seed,
         )
         for router in ("prefix", "pow2"):
             rows.append(simulate(router, replicas, workload, model, policy).row())
-    print(_table(rows))
+    print(dict_table(rows))
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=2)
 
-
-def _table(rows: list[dict[str, object]]) -> str:
-    header = list(rows[0])
-    lines = [header] + [[str(row[key]) for key in header] for row in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines)

@@ -82,3 +82,11 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines)
+
+
+def dict_table(rows: Sequence[dict[str, object]]) -> str:
+    """A plain-text table of rows of the same keys (the header), one line each, right-aligned."""
+    header = list(rows[0])
+    lines = [header] + [[str(row[key]) for key in header] for row in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in lines)

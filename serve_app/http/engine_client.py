@@ -57,6 +57,10 @@ class EngineClient(ABC):
         """Each engine replica's stats (and, on a Ray cluster, its `node_id` and `pid`), by replica id."""
 
     @abstractmethod
+    async def routing_stats(self) -> dict[str, dict[str, float]]:
+        """Each request router's decision count and cost, by router; none where nothing routes."""
+
+    @abstractmethod
     async def ready(self) -> bool: ...
 
 
@@ -99,6 +103,9 @@ class LocalEngineClient(EngineClient):
 
     async def replica_stats(self) -> dict[str, dict[str, Any]]:
         return {"in-process": self.engine.get_stats()}
+
+    async def routing_stats(self) -> dict[str, dict[str, float]]:
+        return {}  # one engine in process: nothing to route between
 
     async def ready(self) -> bool:
         return self.engine.healthy

@@ -1,8 +1,8 @@
 """RoutingPolicy: rank replicas for one request. Load first: when queues are imbalanced past both
-thresholds (SGLang's router uses the same pair), any replica will do and the least loaded wins;
-otherwise the replicas holding the longest run of the prompt's pages come first, when that run is at
-least `min_match_ratio` of the prompt's pages (a shared system prompt alone does not pull every
-request to one replica; SGLang's `cache_threshold` does the same)."""
+thresholds (SGLang's router uses the same pair), the replicas far above the least loaded are tried
+last. Among the others, the replicas holding the longest run of the prompt's pages come first, when
+that run is at least `min_match_ratio` of the prompt's pages (a shared system prompt alone does not
+pull every request to one replica; SGLang's `cache_threshold` does the same)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,22 @@ class RoutingPolicy:
         self, candidates: Sequence[str], loads: Mapping[str, int], matched: Mapping[str, int], pages: int
     ) -> list[list[str]]:
         """Groups of replicas, best first, for a prompt of `pages` whole pages of which each candidate holds
-        `matched` leading ones; within a group the least loaded is taken (Serve does that)."""
+        `matched` leading ones; within a group the least loaded is taken (Serve does that). When loads are
+        imbalanced, the replicas more than `balance_abs_threshold` above the least loaded come last, and
+        the prefix decides among the others."""
         if not candidates:
             return []
+        eligible, overloaded = list(candidates), []
         if self.imbalanced([loads.get(c, 0) for c in candidates]):
-            return [sorted(candidates, key=lambda c: loads.get(c, 0))]
+            least = min(loads.get(c, 0) for c in candidates)
+            eligible = [c for c in candidates if loads.get(c, 0) - least <= self.balance_abs_threshold]
+            overloaded = sorted((c for c in candidates if c not in eligible), key=lambda c: loads.get(c, 0))
+        return self._by_prefix(eligible, matched, pages) + ([overloaded] if overloaded else [])
+
+    def _by_prefix(self, candidates: list[str], matched: Mapping[str, int], pages: int) -> list[list[str]]:
         best = max(matched.get(c, 0) for c in candidates)
         if best == 0 or best < self.min_match_ratio * pages:
-            return [list(candidates)]
+            return [candidates]
         first = [c for c in candidates if matched.get(c, 0) == best]
         rest = [c for c in candidates if matched.get(c, 0) < best]
         return [first, rest] if rest else [first]

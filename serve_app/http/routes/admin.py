@@ -53,6 +53,14 @@ async def replica_stats(request: Request) -> Response:
     return JSONResponse(await context.engine.replica_stats())
 
 
+@router.get("/stats/routing")
+@answers
+async def routing_stats(request: Request) -> Response:
+    context = context_of(request)
+    context.caller(request, admin=True)
+    return JSONResponse(await context.engine.routing_stats())
+
+
 @router.get("/metrics")
 @answers
 async def metrics(request: Request) -> Response:
