@@ -56,9 +56,10 @@ def _bench_structured(args: argparse.Namespace) -> None:
 
 
 def _bench_route(args: argparse.Namespace) -> None:
-    if not args.simulate:
-        raise SystemExit("bench route: only --simulate is available (the router's code against simulated replicas)")
-    from serve_app.bench.route_sim import main
+    if args.simulate:
+        from serve_app.bench.route_sim import main
+    else:
+        from serve_app.bench.route_bench import main
 
     main(args)
 
@@ -146,20 +147,32 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", default=None)
     structured.set_defaults(func=_bench_structured)
 
-    route = bench.add_parser("route", help="the prefix-aware router against Serve's default, on simulated replicas")
+    route = bench.add_parser(
+        "route", help="the prefix-aware router against Serve's default: two live engine replicas, or simulated ones"
+    )
     route.add_argument("--simulate", action="store_true", help="no model: N simulated replicas (page caches, service times)")
-    route.add_argument("--replicas", type=_int_list, default=[2, 8, 64])
-    route.add_argument("--tenants", type=int, default=16)
-    route.add_argument("--conversations-per-replica", type=int, default=32)
+    route.add_argument("--tenants", type=int, default=None, help="default: 4 live, 16 simulated")
     route.add_argument("--turns", type=int, default=4)
-    route.add_argument("--arrival-rate-per-replica", type=float, default=1.0, help="new conversations per second")
-    route.add_argument("--cache-pages", type=int, default=2048, help="pages per simulated replica")
-    route.add_argument("--page-size", type=int, default=16)
     route.add_argument("--balance-abs-threshold", type=int, default=4)
     route.add_argument("--balance-rel-threshold", type=float, default=1.5)
     route.add_argument("--min-match-ratio", type=float, default=0.5)
     route.add_argument("--seed", type=int, default=0)
     route.add_argument("--json", default=None)
+    live = route.add_argument_group("live (two engine replicas under serve run)")
+    live.add_argument("--conversations", type=int, default=24)
+    live.add_argument("--rate", type=float, default=0.25, help="new conversations per second (Poisson arrivals)")
+    live.add_argument("--think-s", type=float, default=2.0, help="mean pause before a conversation's next turn")
+    live.add_argument("--system-words", type=int, default=300)
+    live.add_argument("--user-words", type=int, default=120)
+    live.add_argument("--max-tokens", type=int, default=32, help="new tokens per turn (EOS ignored)")
+    live.add_argument("--cache-tokens", type=int, default=32768, help="each replica's KV cache")
+    live.add_argument("--max-model-len", type=int, default=2048)
+    simulated = route.add_argument_group("--simulate")
+    simulated.add_argument("--replicas", type=_int_list, default=[2, 8, 64])
+    simulated.add_argument("--conversations-per-replica", type=int, default=32)
+    simulated.add_argument("--arrival-rate-per-replica", type=float, default=1.0, help="new conversations per second")
+    simulated.add_argument("--cache-pages", type=int, default=2048, help="pages per simulated replica")
+    simulated.add_argument("--page-size", type=int, default=16)
     route.set_defaults(func=_bench_route)
     return parser
 

@@ -10,7 +10,7 @@ _TOPICS = [
     "volcanoes and earthquakes", "the first computers", "a city at night", "the migration of whales",
     "learning a new language", "the planets of the solar system", "a small village market",
 ]
-_WORDS = (
+WORDS = (
     "river stone light early window garden morning quiet market story north winter paper signal "
     "harbor bridge engine careful ancient music letter forest machine simple bright travel answer "
     "question number minute record summer valley castle reason friend change water distant voice"
@@ -24,7 +24,7 @@ def make_prompts(count: int, seed: int = 0, long_every: int = 4, long_words: int
     for index in range(count):
         topic = rng.choice(_TOPICS)
         if long_every and index % long_every == long_every - 1:
-            passage = " ".join(rng.choice(_WORDS) for _ in range(long_words))
+            passage = " ".join(rng.choice(WORDS) for _ in range(long_words))
             prompts.append(f"Read these notes: {passage}.\nNow write a short essay about {topic}.")
         else:
             prompts.append(f"Tell me about {topic}.")
@@ -35,7 +35,7 @@ def long_passage(tokenizer, tokens: int, rng: random.Random) -> str:
     """A passage of filler words about `tokens` tokens long under `tokenizer`."""
     words: list[str] = []
     while len(tokenizer.encode(" ".join(words))) < tokens:
-        words.extend(rng.choice(_WORDS) for _ in range(50))
+        words.extend(rng.choice(WORDS) for _ in range(50))
     while len(tokenizer.encode(" ".join(words))) > tokens:
         words.pop()
     return " ".join(words)
