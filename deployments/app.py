@@ -1,4 +1,5 @@
-"""build_app(args): the Serve application graph, Ingress -> EngineDeployment, with the ReplicaBoard."""
+"""build_app(args): the Serve application graph, Ingress -> EngineDeployment, with the ReplicaBoard and
+the Responses API's ResponseStore."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ray.serve import Application
 from deployments.engine import EngineDeployment
 from deployments.ingress import Ingress
 from deployments.replica_board import ReplicaBoard
+from deployments.response_store import ResponseStoreDeployment
 from serve_app.config import AppConfig
 from serve_app.http.tenants import KEYS_ENV
 from serve_app.model.loader import resolve_model_path
@@ -35,4 +37,5 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     dumped = config.model_dump(mode="json")
     board = ReplicaBoard.bind()
     engine = EngineDeployment.bind(dumped, board)
-    return Ingress.bind(engine, board, dumped)
+    responses = ResponseStoreDeployment.bind(server.max_stored_responses, server.stored_response_max_age_s)
+    return Ingress.bind(engine, board, responses, dumped)

@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle
 
+from deployments.response_store import RayResponses
 from serve_app.config import AppConfig
 from serve_app.engine.calls import CountTokens, EngineCall
 from serve_app.engine.request import GenerateRequest, StreamDelta
@@ -131,13 +132,17 @@ def _as_its_own_call() -> contextvars.Context:
 @serve.deployment(name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, board: DeploymentHandle, config: dict[str, Any]) -> None:
+    def __init__(
+        self, engine: DeploymentHandle, board: DeploymentHandle, responses: DeploymentHandle, config: dict[str, Any]
+    ) -> None:
         app_config = AppConfig.model_validate(config)
         server = app_config.server
         tenants = TenantDirectory.from_config(server.api_keys_file, server.cache_salt_secret)
         model = app_config.engine.model
         prompts = PromptEncoder(resolve_model_path(model.name, model.cache_dir))
-        self.context = ServerContext(RayEngineClient(engine, board, prompts), server, tenants=tenants)
+        self.context = ServerContext(
+            RayEngineClient(engine, board, prompts), server, tenants=tenants, responses=RayResponses(responses)
+        )
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_api(self.context)

@@ -148,6 +148,10 @@ class ServerConfig(_Strict):
         None, description="YAML or JSON: API key -> {tenant, role}; default: the file SERVE_APP_API_KEYS names"
     )
     cache_salt_secret: str | None = Field(None, description="the HMAC secret of cache salts; made at start when unset")
+    max_stored_responses: int = Field(
+        1000, ge=0, description="Responses-API responses kept per tenant for previous_response_id; 0: none"
+    )
+    stored_response_max_age_s: float = Field(3600.0, gt=0, description="a stored response is dropped after this long")
 
 
 class AppConfig(_Strict):

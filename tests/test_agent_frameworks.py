@@ -1,5 +1,6 @@
 """Agent frameworks against the server, as their users point them at it: pydantic-ai, LangChain,
-LiteLLM and the OpenAI Agents SDK, each on `/v1/chat/completions` with structured output and tools.
+LiteLLM and the OpenAI Agents SDK, each on `/v1/chat/completions` with structured output and tools
+(the Agents SDK's default model class, on `/v1/responses`, runs in tests/test_responses.py).
 
 The embedded 135M model is small; the grammar is what makes each framework's output parse, so
 the tests check what the frameworks hand back (typed objects, tool calls that validate), greedy.
@@ -14,6 +15,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.agent_runs import get_weather
 from tests.inprocess import MODEL, InProcessServer
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM reads its model list from disk, not the web
@@ -26,11 +28,6 @@ class City(BaseModel):
 
 
 ASK = "Which city is the capital of France? Give its name, country and continent."
-
-
-def get_weather(city: str) -> str:
-    """The current weather in a city."""
-    return f"18 degrees and sunny in {city}"
 
 
 def test_langchain_structured_output_and_bound_tools(server: InProcessServer) -> None:

@@ -44,6 +44,8 @@ def _post(server: InProcessServer, route: str, body: dict) -> httpx.Response:
         ("/v1/messages", {"messages": [USER], "max_tokens": 4, "stop_sequences": ["a", "b", "c"]},
          "stop_sequences", "max_stop_sequences=2"),
         ("/v1/messages", {"messages": [USER], "max_tokens": 9}, "max_tokens", "max_output_tokens=8"),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 9}, "max_output_tokens", "max_output_tokens=8"),
+        ("/v1/responses", {"input": [USER] * 4}, "input", "max_messages=3"),
     ],
 )
 def test_each_limit_is_a_400_naming_it(server: InProcessServer, route: str, body: dict, param: str, limit: str) -> None:

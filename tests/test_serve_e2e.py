@@ -18,6 +18,7 @@ from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.idle import http_stats, wait_idle
 from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import connect, create_request, make_post_completion
+from tests.agent_runs import weather_agent_answer
 from tests.inprocess import anthropic_client, openai_client
 from tests.served import ForeignRayCluster, engine_replica_pid
 
@@ -319,3 +320,20 @@ def test_streamed_tool_calls_and_a_tool_loop_through_serve(oai: openai.OpenAI, c
         message = stream.get_final_message()
     uses = [block for block in message.content if block.type == "tool_use"]
     assert message.stop_reason == "tool_use" and uses and isinstance(uses[0].input["city"], str)
+
+
+def test_the_responses_api_through_serve(served: ServeRun, oai: openai.OpenAI) -> None:
+    """Streamed events, a stored response continued from the prefix cache (the store is a deployment every
+    ingress replica shares), and the OpenAI Agents SDK's default model class running a function tool."""
+    events = list(oai.responses.create(model=MODEL, input="My name is Ada and I keep bees above the harbour.",
+                                       max_output_tokens=12, temperature=0, stream=True))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    first = events[-1].response
+    assert first.output_text and oai.responses.retrieve(first.id).output_text == first.output_text
+    second = oai.responses.create(model=MODEL, previous_response_id=first.id, input="What is my name?",
+                                  max_output_tokens=8, temperature=0)
+    assert second.usage.input_tokens_details.cached_tokens >= 16
+
+    weather = weather_agent_answer(served.url)
+    assert isinstance(weather, str) and weather.startswith("18 degrees and sunny in ")

@@ -1,4 +1,5 @@
-"""ServerContext: what every route needs (engine client, config, limits, tenants, metrics), and who is calling."""
+"""ServerContext: what every route needs (engine client, config, limits, tenants, metrics, stored
+responses), and who is calling."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from serve_app.http.engine_client import EngineClient
 from serve_app.http.metrics import ServerMetrics
 from serve_app.http.protocols.errors import ProtocolError, invalid
 from serve_app.http.protocols.limits import RequestLimits
+from serve_app.http.response_store import LocalResponses, Responses, ResponseStore
 from serve_app.http.tenants import (
     Tenant,
     TenantDirectory,
@@ -25,10 +27,15 @@ class ServerContext:
     config: ServerConfig = field(default_factory=ServerConfig)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     tenants: TenantDirectory = field(default_factory=TenantDirectory.open)
+    responses: Responses | None = None  # the Responses API's store; None: one in this process
     slots: TenantSlots = field(init=False)
     limits: RequestLimits = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.responses is None:
+            self.responses = LocalResponses(
+                ResponseStore(self.config.max_stored_responses, self.config.stored_response_max_age_s)
+            )
         self.slots = TenantSlots(self.config.max_concurrent_per_tenant)
         self.limits = RequestLimits.from_config(self.config)
 

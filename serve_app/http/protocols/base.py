@@ -87,8 +87,10 @@ def sse(data: Any, event: str | None = None) -> str:
 class ResponseBuilder(ABC):
     """One API's request parsing and response shapes. Adding a protocol is one builder."""
 
-    # The name this API gives its stop sequences, for errors about them.
+    # The names this API gives its stop sequences, its output-token limit and its conversation, for errors.
     stop_param = "stop"
+    max_tokens_param = "max_tokens"
+    messages_param = "messages"
 
     @abstractmethod
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
@@ -143,7 +145,8 @@ class ProtocolHandler:
                 raise ProtocolError("not_ready", "Engine not initialized")
             prepared = self.builder.prepare(body, await self.engine.model_info())
             if limits is not None:
-                prepared = limits.apply(prepared, self.builder.stop_param)
+                builder = self.builder
+                prepared = limits.apply(prepared, builder.stop_param, builder.max_tokens_param, builder.messages_param)
             if cache_salt is not None:
                 prepared.requests = [
                     r.model_copy(update={"cache_salt": cache_salt(r.cache_salt)}) for r in prepared.requests

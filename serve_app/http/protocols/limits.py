@@ -27,8 +27,15 @@ class RequestLimits:
             max_output_tokens=config.max_output_tokens,
         )
 
-    def apply(self, prepared: PreparedRequest, stop_param: str = "stop") -> PreparedRequest:
-        """Check `prepared` against the limits; a request without `max_tokens` gets `max_output_tokens`."""
+    def apply(
+        self,
+        prepared: PreparedRequest,
+        stop_param: str = "stop",
+        max_tokens_param: str = "max_tokens",
+        messages_param: str = "messages",
+    ) -> PreparedRequest:
+        """Check `prepared` against the limits (each error naming the field as the protocol calls it); a
+        request without `max_tokens` gets `max_output_tokens`."""
         if prepared.choices_per_prompt > self.max_n:
             raise invalid(f"n: {prepared.choices_per_prompt} choices are over max_n={self.max_n}", "n")
         first = prepared.requests[0]
@@ -45,14 +52,15 @@ class RequestLimits:
             )
         if first.messages is not None and len(first.messages) > self.max_messages:
             raise invalid(
-                f"messages: {len(first.messages)} messages are over max_messages={self.max_messages}", "messages"
+                f"{messages_param}: {len(first.messages)} messages are over max_messages={self.max_messages}",
+                messages_param,
             )
         if self.max_output_tokens is None:
             return prepared
         asked = first.max_tokens
         if asked is not None and asked > self.max_output_tokens:
             raise invalid(
-                f"max_tokens: {asked} is over max_output_tokens={self.max_output_tokens}", "max_tokens"
+                f"{max_tokens_param}: {asked} is over max_output_tokens={self.max_output_tokens}", max_tokens_param
             )
         if asked is None:
             prepared.requests = [r.model_copy(update={"max_tokens": self.max_output_tokens}) for r in prepared.requests]

@@ -47,7 +47,7 @@ from serve_app.http.tools.plan import (
     plan,
 )
 
-_ERROR_TYPES = {
+ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
     "authentication": "authentication_error",
     "permission": "permission_error",
@@ -374,7 +374,7 @@ class _OpenAIBuilder(ResponseBuilder):
         return {
             "error": {
                 "message": error.message,
-                "type": _ERROR_TYPES[error.kind],
+                "type": ERROR_TYPES[error.kind],
                 "param": error.param,
                 "code": error.status,
             }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
@@ -10,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from serve_app.engine.calls import CountTokens
 from serve_app.engine.request import GenerateRequest
 from serve_app.http.body import read_json
-from serve_app.http.context import context_of
+from serve_app.http.context import ServerContext, context_of
 from serve_app.http.protocols.anthropic import (
     CountTokensRequest,
     MessagesBuilder,
@@ -20,7 +22,8 @@ from serve_app.http.protocols.base import ProtocolHandler, ResponseBuilder
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
 from serve_app.http.routes.answering import answers_in
-from serve_app.http.streaming import ClosingStreamingResponse
+from serve_app.http.streaming import CleanUp, ClosingStreamingResponse
+from serve_app.http.tenants import Tenant
 from serve_app.http.tools import format_for
 
 router = APIRouter()
@@ -28,29 +31,42 @@ messages = MessagesBuilder()
 
 
 def _generation(builder: ResponseBuilder) -> Callable[[Request], Awaitable[Response]]:
-    """A route that runs one request through `builder`, holding one of the tenant's slots until it is over."""
+    """A route that runs one request through `builder`."""
 
     @answers_in(builder)
     async def route(request: Request) -> Response:
         context = context_of(request)
         tenant = context.caller(request)
         body = await read_json(request, context.config.max_request_bytes)
-        if not context.slots.try_take(tenant):
-            limit = context.config.max_concurrent_per_tenant
-            raise ProtocolError("rate_limit", f"over max_concurrent_per_tenant={limit} requests in flight")
-        handler = ProtocolHandler(builder, context.engine, context.metrics)
-        try:
-            response = await handler.handle(body, lambda salt: context.engine_salt(tenant, salt), context.limits)
-        except BaseException:
-            context.slots.give_back(tenant)
-            raise
-        if isinstance(response, ClosingStreamingResponse):
-            response.call_on_close(lambda: context.slots.give_back(tenant))
-        else:
-            context.slots.give_back(tenant)
-        return response
+        return await generate(context, tenant, builder, body)
 
     return route
+
+
+async def generate(
+    context: ServerContext, tenant: Tenant, builder: ResponseBuilder, body: Any, after: CleanUp | None = None
+) -> Response:
+    """Run one request through `builder`, holding one of the tenant's slots until it is over; then `after`."""
+    if not context.slots.try_take(tenant):
+        limit = context.config.max_concurrent_per_tenant
+        raise ProtocolError("rate_limit", f"over max_concurrent_per_tenant={limit} requests in flight")
+    handler = ProtocolHandler(builder, context.engine, context.metrics)
+    try:
+        response = await handler.handle(body, lambda salt: context.engine_salt(tenant, salt), context.limits)
+    except BaseException:
+        context.slots.give_back(tenant)
+        raise
+    if isinstance(response, ClosingStreamingResponse):
+        response.call_on_close(lambda: context.slots.give_back(tenant))
+        if after is not None:
+            response.call_on_close(after)
+        return response
+    context.slots.give_back(tenant)
+    if after is not None:
+        outcome = after()
+        if inspect.isawaitable(outcome):
+            await outcome
+    return response
 
 
 router.add_api_route("/v1/chat/completions", _generation(ChatCompletionsBuilder()), methods=["POST"])

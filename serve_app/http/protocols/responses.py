@@ -1,0 +1,458 @@
+"""The OpenAI Responses API: `/v1/responses` requests (input items, instructions, function tools,
+`text.format`), response objects with `message` and `function_call` output items, and the streamed
+event sequence (`response.created` ... `response.completed`, each with its `sequence_number`).
+
+A builder serves one request: it carries the conversation of the `previous_response_id` it
+continues, numbers its events, and keeps what it answered (`finished`) for the response store.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from serve_app.engine.request import GenerateRequest, StreamDelta
+from serve_app.engine.sampling_params import SamplingParams
+from serve_app.engine.structured_output import StructuredOutput
+from serve_app.http.engine_client import ModelInfo
+from serve_app.http.protocols.base import (
+    Choice,
+    PreparedRequest,
+    ResponseBuilder,
+    sse,
+    total_usage,
+)
+from serve_app.http.protocols.errors import (
+    ProtocolError,
+    from_validation_error,
+    invalid,
+    refuse_fields,
+    validate_body,
+)
+from serve_app.http.protocols.openai import ERROR_TYPES
+from serve_app.http.response_store import StoredResponse
+from serve_app.http.tools import format_for
+from serve_app.http.tools.plan import (
+    ToolCall,
+    ToolCallFormat,
+    ToolPlan,
+    ToolSpec,
+    Turn,
+    call_names,
+    plan,
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InputText(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # output_text parts echoed back from an earlier output
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+def _item_kind(item: Any) -> str:
+    return item.get("type", "message") if isinstance(item, dict) else "message"
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> TextFormat:
+        if (self.type == "json_schema") != (self.schema_ is not None):
+            raise ValueError("schema: give it exactly when type is json_schema")
+        return self
+
+
+class TextOptions(_Strict):
+    format: TextFormat | None = None
+
+
+# Fields of the Responses API that this server does not implement: a 400 naming them.
+UNSUPPORTED = {
+    "background": "not supported: responses run in the foreground",
+    "conversation": "not supported; continue with previous_response_id",
+    "prompt": "not supported: there are no stored prompt templates here",
+    "reasoning": "this server has no reasoning mode",
+    "top_logprobs": "not supported",
+    "max_tool_calls": "not supported",
+    "service_tier": "not supported",
+    "context_management": "not supported",
+    "prompt_cache_retention": "not supported",
+    "prompt_cache_options": "not supported",
+}
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextOptions | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    include: list[str] | None = None
+    truncation: Literal["disabled"] | None = None
+
+    @field_validator("include")
+    @classmethod
+    def _nothing_to_include(cls, value: list[str] | None) -> list[str] | None:
+        if value:
+            raise ValueError("no additional output data is available from this server")
+        return value
+
+    def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem] = []
+        kinds = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+        for index, item in enumerate(self.input):
+            kind = kinds.get(_item_kind(item))
+            if kind is None:
+                raise invalid(f"input.{index}.type: {_item_kind(item)!r} items are not supported", f"input.{index}.type")
+            items.append(_validated(kind, item, f"input.{index}."))
+        return items
+
+    def function_tools(self) -> list[FunctionTool]:
+        tools = []
+        for index, tool in enumerate(self.tools or []):
+            kind = tool.get("type")
+            if kind != "function":
+                raise invalid(
+                    f"tools.{index}.type: {kind!r} tools are not supported; only function tools", f"tools.{index}.type"
+                )
+            tools.append(_validated(FunctionTool, tool, f"tools.{index}."))
+        return tools
+
+    def tool_plan(self) -> ToolPlan | None:
+        specs = [
+            ToolSpec(t.name, t.description or "", t.parameters or {"type": "object", "properties": {}})
+            for t in self.function_tools()
+        ]
+        if isinstance(self.tool_choice, FunctionChoice):
+            return plan(specs, "named", self.tool_choice.name)
+        return plan(specs, self.tool_choice, parallel=self.parallel_tool_calls)
+
+    def output_constraint(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> StructuredOutput | None:
+        text_format = self.text.format if self.text is not None else None
+        constrained = text_format is not None and text_format.type != "text"
+        if tool_plan is not None:
+            if constrained:
+                raise invalid("tools: a function call's format cannot be combined with text.format", "tools")
+            return tools.constraint(tool_plan)
+        if text_format is None or text_format.type == "text":
+            return None
+        if text_format.type == "json_object":
+            return StructuredOutput(json_object=True, param="text.format")
+        return StructuredOutput(json=text_format.schema_, param="text.format.schema")
+
+    def turns(self, earlier: Sequence[Turn]) -> list[Turn]:
+        """The conversation so far: an earlier response's, then this input (calls join their assistant turn)."""
+        turns = list(earlier)
+        names = call_names(turns)
+        fresh = len(turns)
+        for item in self.input_items():
+            if isinstance(item, MessageItem):
+                turns.append(Turn("system" if item.role == "developer" else item.role, item.text()))
+            elif isinstance(item, FunctionCallItem):
+                call = ToolCall(item.call_id, item.name, item.arguments)
+                names[call.id] = call.name
+                last = turns[-1] if len(turns) > fresh else None
+                if last is not None and last.role == "assistant":
+                    turns[-1] = Turn("assistant", last.content, calls=(*last.calls, call))
+                else:
+                    turns.append(Turn("assistant", "", calls=(call,)))
+            else:
+                turns.append(Turn("tool", item.text(), call_id=item.call_id, name=names.get(item.call_id)))
+        return turns
+
+
+def _validated(model: type[BaseModel], value: Any, prefix: str) -> Any:
+    try:
+        return model.model_validate(value)
+    except ValidationError as error:
+        raise from_validation_error(error, prefix=prefix) from None
+
+
+def _usage(prepared: PreparedRequest, choice: Choice) -> dict[str, Any]:
+    usage = total_usage(prepared, [choice])
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "message", "id": item_id, "status": status, "role": "assistant",
+        "content": [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def _call_item(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call.id, "name": call.name,
+        "arguments": call.arguments, "status": "completed",
+    }
+
+
+class ResponsesBuilder(ResponseBuilder):
+    """`POST /v1/responses`, for one request (continuing `previous`, when given)."""
+
+    max_tokens_param = "max_output_tokens"
+    messages_param = "input"
+
+    def __init__(self, previous: StoredResponse | None = None) -> None:
+        self.previous = previous
+        self.finished: StoredResponse | None = None  # what was answered, once it is whole
+        self._sequence = 0
+        self._req: ResponsesRequest | None = None
+        self._turns: list[Turn] = []
+        self._tools: ToolCallFormat | None = None
+        self._message_id = "msg_" + uuid.uuid4().hex[:24]
+
+    def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
+        refuse_fields(body, UNSUPPORTED)
+        req: ResponsesRequest = validate_body(ResponsesRequest, body)
+        if req.model != model.id:
+            raise invalid(f"model: {req.model!r} is not served here; use {model.id!r}", "model")
+        previous_id = self.previous.response["id"] if self.previous is not None else None
+        if req.previous_response_id != previous_id:
+            raise ProtocolError(
+                "not_found", f"previous_response_id: no response {req.previous_response_id!r}", "previous_response_id"
+            )
+        tools, tool_plan = format_for(model.tool_format), req.tool_plan()
+        self._req, self._turns = req, req.turns(self.previous.turns if self.previous else ())
+        self._tools = tools if tool_plan is not None else None
+        system = [Turn("system", req.instructions)] if req.instructions else []
+        prompt = tools.prompt([*system, *self._turns], tool_plan)
+        request = GenerateRequest(
+            messages=prompt.messages,
+            tools=prompt.tools,
+            max_tokens=req.max_output_tokens,
+            sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p),
+            structured_output=req.output_constraint(tools, tool_plan),
+        )
+        return PreparedRequest(requests=[request], stream=req.stream, model=req.model)
+
+    # The response object.
+
+    def _response(
+        self, prepared: PreparedRequest, status: str, output: list[dict[str, Any]], choice: Choice | None
+    ) -> dict[str, Any]:
+        req = self._req
+        assert req is not None
+        text_format = req.text.format if req.text is not None and req.text.format is not None else None
+        tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice or "auto"
+        return {
+            "id": "resp_" + prepared.id,
+            "object": "response",
+            "created_at": prepared.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": prepared.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": req.store,
+            "temperature": req.temperature,
+            "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format else {"type": "text"}},
+            "tool_choice": tool_choice,
+            "tools": [t.model_dump(exclude_none=True) for t in req.function_tools()],
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "usage": _usage(prepared, choice) if choice is not None else None,
+            "user": req.user,
+            "safety_identifier": req.safety_identifier,
+            "prompt_cache_key": req.prompt_cache_key,
+            "metadata": req.metadata or {},
+        }
+
+    def _output(self, choice: Choice) -> tuple[str, list[dict[str, Any]], tuple[ToolCall, ...], str]:
+        """(status, output items, calls made, text) of a finished choice."""
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        if self._tools is None or status == "incomplete":
+            return status, [_message_item(self._message_id, choice.text, status)], (), choice.text
+        parsed = self._tools.parse(choice.text, "call_")
+        items = [_message_item(self._message_id, parsed.content, status)] if parsed.content else []
+        items += [_call_item(call) for call in parsed.calls]
+        if not items:
+            items = [_message_item(self._message_id, "", status)]
+        return status, items, parsed.calls, parsed.content or ""
+
+    def _finish(self, prepared: PreparedRequest, choice: Choice) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        status, items, calls, text = self._output(choice)
+        response = self._response(prepared, status, items, choice)
+        turns = (*self._turns, Turn("assistant", text, calls=calls))
+        self.finished = StoredResponse(response, turns)
+        return response, items
+
+    def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
+        return self._finish(prepared, choices[0])[0]
+
+    # The event stream.
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return sse(event, kind)
+
+    def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+        started = self._response(prepared, "in_progress", [], None)
+        events = [self._event("response.created", response=started), self._event("response.in_progress", response=started)]
+        if self._tools is None:  # a tool-mode answer's items are known only once it is whole
+            events += self._text_opening()
+        return events
+
+    def _text_opening(self) -> list[str]:
+        return [
+            self._event("response.output_item.added", output_index=0, item=_message_item(self._message_id, "", "in_progress")),
+            self._event(
+                "response.content_part.added", item_id=self._message_id, output_index=0, content_index=0,
+                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+            ),
+        ]
+
+    def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
+        if not delta.text or self._tools is not None:
+            return []
+        return [
+            self._event(
+                "response.output_text.delta", item_id=self._message_id, output_index=0, content_index=0,
+                delta=delta.text, logprobs=[],
+            )
+        ]
+
+    def format_stream_end(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+        choice = choices[0]
+        if choice.finish_reason == "error":
+            failed = self._response(prepared, "failed", [], choice)
+            failed["error"] = {"code": "server_error", "message": choice.error or "generation failed"}
+            return [self._event("response.failed", response=failed)]
+        response, items = self._finish(prepared, choice)
+        events: list[str] = []
+        for index, item in enumerate(items):
+            if item["type"] == "message":
+                events += self._text_closing(index, item, opened=self._tools is None)
+            else:
+                events += self._call_events(index, item)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return [*events, self._event(kind, response=response)]
+
+    def _text_closing(self, index: int, item: dict[str, Any], opened: bool) -> list[str]:
+        part = item["content"][0]
+        events = [] if opened else self._text_opening()
+        if not opened and part["text"]:
+            events.append(
+                self._event(
+                    "response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                    delta=part["text"], logprobs=[],
+                )
+            )
+        return [
+            *events,
+            self._event(
+                "response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                text=part["text"], logprobs=[],
+            ),
+            self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def _call_events(self, index: int, item: dict[str, Any]) -> list[str]:
+        return [
+            self._event(
+                "response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}
+            ),
+            self._event(
+                "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]
+            ),
+            self._event(
+                "response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                name=item["name"], arguments=item["arguments"],
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def format_error(self, error: ProtocolError) -> dict[str, Any]:
+        return {"error": {"message": error.message, "type": ERROR_TYPES[error.kind], "param": error.param, "code": error.status}}
+
