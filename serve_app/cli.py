@@ -55,6 +55,12 @@ def _bench_structured(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_quant(args: argparse.Namespace) -> None:
+    from serve_app.bench.quant_bench import main
+
+    main(args)
+
+
 def _bench_route(args: argparse.Namespace) -> None:
     if args.simulate:
         from serve_app.bench.route_sim import main
@@ -147,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", default=None)
     structured.set_defaults(func=_bench_structured)
 
+    quant = bench.add_parser("quant", help="int8 weights against fp32: greedy agreement, log-prob gap, tok/s")
+    quant.add_argument("--model", default=DEFAULT_MODEL)
+    quant.add_argument("--prompts", type=int, default=64)
+    quant.add_argument("--max-tokens", type=int, default=64)
+    quant.add_argument("--concurrency", type=_int_list, default=[1, 64])
+    quant.add_argument("--cache-tokens", type=int, default=16384)
+    quant.add_argument("--seed", type=int, default=0)
+    quant.add_argument("--json", default=None)
+    quant.set_defaults(func=_bench_quant)
     route = bench.add_parser(
         "route", help="the prefix-aware router against Serve's default: two live engine replicas, or simulated ones"
     )

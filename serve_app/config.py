@@ -43,6 +43,9 @@ class ModelConfig(_Strict):
         description="how tools reach the model: auto reads the chat template (hermes for <tool_call> templates, "
         "llama3_json for Llama 3.1+, generic for templates that ignore tools)",
     )
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="int8: every linear layer with int8 weights and dynamic int8 activations (CPU)"
+    )
     cache_dir: Path = Field(default_factory=default_cache_dir)
 
 
@@ -85,6 +88,7 @@ _FLAT_KEYS: dict[str, tuple[str, str]] = {
     "decode_attention": ("model", "decode_attention"),
     "cache_dir": ("model", "cache_dir"),
     "tool_call_format": ("model", "tool_call_format"),
+    "quantization": ("model", "quantization"),
     "kv_cache": ("cache", "kind"),
     "page_size": ("cache", "page_size"),
     "cache_tokens": ("cache", "num_tokens"),

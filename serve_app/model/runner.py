@@ -15,6 +15,7 @@ from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import register_attention
 from serve_app.model.decode_kernel import load_decode_kernel
 from serve_app.model.loader import resolve_model_path
+from serve_app.model.quantize import quantize_int8
 from serve_app.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class ModelRunner:
             self.path, dtype=self.dtype, attn_implementation=register_attention()
         ).to(self.device)
         self.model.eval()
+        if config.quantization == "int8":
+            self.model = quantize_int8(self.model, self.device)
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         n_heads = text_config.num_attention_heads
         self.kv_shape = KVShape(
@@ -84,7 +87,7 @@ class ModelRunner:
         self.decode_kernel = (
             load_decode_kernel(config.cache_dir, self.device, self.dtype) if config.decode_attention == "auto" else None
         )
-        logger.info("loaded %s on %s (%s)", self.path, self.device, self.dtype)
+        logger.info("loaded %s on %s (%s, quantization %s)", self.path, self.device, self.dtype, config.quantization)
 
     def rotary(self) -> tuple[str, float | None, torch.Tensor]:
         """The model's RoPE: its type, base (theta) and per-pair inverse frequencies."""

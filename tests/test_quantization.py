@@ -1,0 +1,47 @@
+"""int8 weights (`quantization: int8`): every linear layer quantized, next tokens close to fp32's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve_app import InferenceEngine
+from serve_app.bench.engine_bench import run_engine_bench
+from serve_app.bench.prompts import make_prompts
+from serve_app.bench.quant_bench import teacher_forced_agreement
+from serve_app.model.quantize import Int8Linear, quantize_int8
+
+
+def test_an_int8_linear_is_close_to_its_float_layer() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32)
+    x = torch.randn(5, 3, 64)
+    x[0, 0] *= 50  # one token's outliers must not set the others' scale
+    expected, got = linear(x), Int8Linear(linear)(x)
+    assert got.shape == expected.shape == (5, 3, 32)
+    error = (got - expected).abs().amax(dim=-1) / expected.abs().amax(dim=-1)
+    assert float(error.max()) < 0.05, error
+
+
+def test_the_int8_engine_decodes_and_its_next_tokens_agree_with_fp32(engine: InferenceEngine, model_path: Path) -> None:
+    prompts = make_prompts(4, seed=3)
+    _, continuations = run_engine_bench(engine, prompts, 4, 16, return_tokens=True)
+    int8 = InferenceEngine(model=str(model_path), quantization="int8", cache_tokens=4096, max_model_len=2048)
+    try:
+        assert not [m for m in int8.runner.model.modules() if type(m) is torch.nn.Linear]  # every one quantized
+        _, quantized = run_engine_bench(int8, prompts, 4, 16, return_tokens=True)
+    finally:
+        int8.shutdown()
+    assert [len(tokens) for tokens in quantized] == [16] * 4
+    sequences = [(engine.tokenizer.encode(p), c) for p, c in zip(prompts, continuations)]
+    measured = teacher_forced_agreement(str(model_path), sequences)
+    assert measured.positions == 4 * 16
+    assert measured.same_token >= 0.75, measured  # broken weights agree on almost nothing
+    assert measured.mean_logprob_gap < 0.5, measured
+
+
+def test_int8_is_refused_off_the_cpu() -> None:
+    with pytest.raises(ValueError, match="quantization: int8 runs on CPU"):
+        quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.device("cuda"))
