@@ -5,7 +5,7 @@ Agreement, teacher-forced: the fp32 engine decodes every prompt greedily (EOS ig
 model's fp32 modules and the same modules quantized as the engine quantizes them read each prompt
 followed by that continuation, and at every continuation position we compare their most likely
 next token, and the int8 log-prob of fp32's token with fp32's own. Speed: output tok/s, TTFT and
-TPOT of the two engines at each concurrency, alternating.
+TPOT of the two engines at each concurrency, alternating, one engine in the process at a time.
 """
 
 from __future__ import annotations
@@ -56,23 +56,22 @@ def teacher_forced_agreement(model_path: str, sequences: Sequence[tuple[list[int
 
 def main(args: argparse.Namespace) -> None:
     prompts = make_prompts(args.prompts, seed=args.seed)
-    engines = {
-        label: InferenceEngine(model=args.model, quantization=quantization, cache_tokens=args.cache_tokens)
-        for label, quantization in (("fp32", "none"), ("int8", "int8"))
-    }
-    try:
-        fp32 = engines["fp32"]
-        _, continuations = run_engine_bench(fp32, prompts, 64, args.max_tokens, system="fp32", return_tokens=True)
-        sequences = [(fp32.tokenizer.encode(p), c) for p, c in zip(prompts, continuations)]
-        rows: list[BenchRow] = []
-        for concurrency in args.concurrency:
-            for label, engine in engines.items():
+    sequences: list[tuple[list[int], list[int]]] = []
+    rows: list[BenchRow] = []
+    model_path = args.model
+    for concurrency in args.concurrency:
+        for label, quantization in (("fp32", "none"), ("int8", "int8")):
+            # One engine at a time: two scheduler threads in one process would fight over the cores.
+            engine = InferenceEngine(model=args.model, quantization=quantization, cache_tokens=args.cache_tokens)
+            try:
+                if label == "fp32" and not sequences:
+                    _, continuations = run_engine_bench(engine, prompts, 64, args.max_tokens, system=label, return_tokens=True)
+                    sequences = [(engine.tokenizer.encode(p), c) for p, c in zip(prompts, continuations)]
+                    model_path = str(engine.runner.path)
                 run_engine_bench(engine, prompts[:4], 4, 4, system="warmup")
                 rows.append(run_engine_bench(engine, prompts, concurrency, args.max_tokens, system=label))
-        model_path = str(fp32.runner.path)
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
+            finally:
+                engine.shutdown()
     measured = teacher_forced_agreement(model_path, sequences)
     print(format_table(rows))
     print(f"int8 against fp32, teacher-forced over {measured.positions} positions: same next token "
