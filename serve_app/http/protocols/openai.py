@@ -47,7 +47,7 @@ from serve_app.http.tools.plan import (
     plan,
 )
 
-ERROR_TYPES = {
+_ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
     "authentication": "authentication_error",
     "permission": "permission_error",
@@ -317,6 +317,11 @@ class CompletionRequest(_SamplingFields):
     return_token_ids: bool = Field(False, description="also return the generated token ids (with each streamed chunk)")
 
 
+def openai_error(error: ProtocolError) -> dict[str, Any]:
+    """An error in OpenAI's shape (every OpenAI route's, the Responses API's too)."""
+    return {"error": {"message": error.message, "type": _ERROR_TYPES[error.kind], "param": error.param, "code": error.status}}
+
+
 def _check_model(name: str, model: ModelInfo) -> None:
     if name != model.id:
         raise ProtocolError("invalid_request", f"model: {name!r} is not served here; use {model.id!r}", "model")
@@ -371,14 +376,7 @@ class _OpenAIBuilder(ResponseBuilder):
     id_prefix: str
 
     def format_error(self, error: ProtocolError) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": error.message,
-                "type": ERROR_TYPES[error.kind],
-                "param": error.param,
-                "code": error.status,
-            }
-        }
+        return openai_error(error)
 
     def _chunk(self, prepared: PreparedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {

@@ -39,7 +39,7 @@ from serve_app.http.protocols.errors import (
     refuse_fields,
     validate_body,
 )
-from serve_app.http.protocols.openai import ERROR_TYPES
+from serve_app.http.protocols.openai import openai_error
 from serve_app.http.response_store import StoredResponse
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import (
@@ -454,5 +454,5 @@ class ResponsesBuilder(ResponseBuilder):
         ]
 
     def format_error(self, error: ProtocolError) -> dict[str, Any]:
-        return {"error": {"message": error.message, "type": ERROR_TYPES[error.kind], "param": error.param, "code": error.status}}
+        return openai_error(error)
 
