@@ -156,3 +156,15 @@ def test_decision_costs_keep_a_bounded_sample_and_count_them_all() -> None:
     assert summary["decisions"] == 1000
     assert summary["max_us"] == 1000.0 and summary["p50_us"] == 950.5  # only the latest 100 are kept
     assert 990 <= summary["p99_us"] <= 1000
+
+
+def test_a_burst_of_decisions_against_equal_loads_spreads_over_the_replicas() -> None:
+    """Serve takes the first of equally loaded replicas, and one routing task may route several requests
+    before any is sent: successive decisions must not all put the same replica first."""
+    from serve_app.routing.decision import PrefixRouting
+
+    routing = PrefixRouting(RoutingPolicy())
+    firsts = [routing.rank([], ["a", "b", "c"], {"a": 0, "b": 0, "c": 0})[0][0] for _ in range(6)]
+    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
+    ranked = [routing.rank([], ["a", "b"], {"a": 3, "b": 0}) for _ in range(2)]
+    assert all(sorted(groups[0]) == ["a", "b"] and len(groups) == 1 for groups in ranked)  # one group: Serve takes b

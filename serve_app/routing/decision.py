@@ -1,6 +1,10 @@
 """PrefixRouting: one routing decision, the same in Serve's request router and in the simulation of
 `bench route --simulate`: hash the prompt's whole pages as the prefix cache does, count the leading
-pages each replica holds, and rank the replicas by the policy."""
+pages each replica holds, and rank the replicas by the policy.
+
+Serve takes the least loaded replica of a group and the first of equals. One routing task may route
+a burst of requests before any of them is sent (so before any load it knows of changes): each
+decision starts the candidates one further along, so that a burst of equals spreads over them."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ class PrefixRouting:
     def __init__(self, policy: RoutingPolicy, index: PrefixIndex | None = None) -> None:
         self.policy = policy
         self.index = index or PrefixIndex()
+        self._decisions = 0
 
     def hashes(self, tokens: Sequence[int], cache_salt: str) -> list[PageHash]:
         """The prompt's page hashes (none until the directory has said what a page is)."""
@@ -25,6 +30,10 @@ class PrefixRouting:
     def rank(self, hashes: Sequence[PageHash], candidates: Iterable[str], loads: Mapping[str, int]) -> list[list[str]]:
         """Groups of candidates, best first (the least loaded of a group takes the request)."""
         candidates = list(candidates)
+        if candidates:
+            self._decisions += 1
+            start = self._decisions % len(candidates)
+            candidates = candidates[start:] + candidates[:start]
         matched = self.index.matched_pages(hashes, candidates) if hashes else {}
         return self.policy.rank(candidates, loads, matched, len(hashes))
 
