@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_CACHE_TOKENS = 32768
+# `ModelConfig.device` when the config does not name one: `SERVE_APP_DEVICE`, else auto.
+DEVICE_ENV = "SERVE_APP_DEVICE"
 
 
 def default_cache_dir() -> Path:
@@ -30,7 +32,10 @@ class ModelConfig(_Strict):
     """Which model to load and where it runs."""
 
     name: str = Field(DEFAULT_MODEL, description="an embedded model name or a local Hugging Face folder")
-    device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
+    device: str = Field(
+        default_factory=lambda: os.environ.get(DEVICE_ENV, "auto"),
+        description=f"auto (CUDA when present, else CPU), cpu, cuda, cuda:N; unset: ${DEVICE_ENV}, else auto",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, ge=2, description="context limit; defaults to the model's")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; defaults to every core")
@@ -50,20 +55,20 @@ class ModelConfig(_Strict):
 
 
 class CacheConfig(_Strict):
-    """The KV cache: its kind and its size, in tokens or bytes (tokens win when both are set)."""
+    """The KV cache: its kind and its size, in tokens or bytes (tokens win when both are set); with
+    neither, on CUDA a share of the device's memory (`gpu_memory_utilization`), else
+    DEFAULT_CACHE_TOKENS."""
 
     kind: Literal["paged", "contiguous"] = "paged"
     page_size: int = Field(16, ge=1, le=1024)
     num_tokens: int | None = Field(None, ge=1)
     num_bytes: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
-
-    def resolve_tokens(self, bytes_per_token: int) -> int:
-        if self.num_tokens is not None:
-            return self.num_tokens
-        if self.num_bytes is not None:
-            return max(1, self.num_bytes // bytes_per_token)
-        return DEFAULT_CACHE_TOKENS
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1,
+        description="on CUDA with no size set: the share of the device's memory the process may hold, the cache "
+        "taking what the model and a reserve for activations leave of it",
+    )
 
 
 class SchedulerConfig(_Strict):
@@ -94,6 +99,7 @@ _FLAT_KEYS: dict[str, tuple[str, str]] = {
     "cache_tokens": ("cache", "num_tokens"),
     "cache_bytes": ("cache", "num_bytes"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_waiting_requests": ("scheduler", "max_waiting_requests"),

@@ -26,6 +26,9 @@ from tests.references import ReferenceModel
 from tests.served import ForeignRayCluster
 from tests.tiny_models import build_tiny_model
 
+# Every engine and server a test starts runs on the CPU, float32, whatever the host has: the oracle
+# compares with transformers on the CPU (`make gpu-check` runs it on CUDA).
+os.environ["SERVE_APP_DEVICE"] = "cpu"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

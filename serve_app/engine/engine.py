@@ -109,7 +109,9 @@ class InferenceEngine:
 
     def _load(self) -> tuple[ModelRunner, KVCache]:
         runner = ModelRunner(self.config.model)
-        return runner, build_kv_cache(self.config.cache, runner.kv_shape, runner.max_model_len, runner.device)
+        scheduler = self.config.scheduler
+        activations = runner.activation_bytes(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+        return runner, build_kv_cache(self.config.cache, runner.kv_shape, runner.max_model_len, runner.device, activations)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -89,6 +89,15 @@ class ModelRunner:
         )
         logger.info("loaded %s on %s (%s, quantization %s)", self.path, self.device, self.dtype, config.quantization)
 
+    def activation_bytes(self, max_tokens: int, max_rows: int) -> int:
+        """An upper estimate of one step's transient memory: a few hidden-sized and the MLP's
+        intermediate-sized tensors per packed token, the float32 logits of every sampled row (and a
+        copy for sampling), and a fixed reserve for the kernels' workspaces."""
+        text_config = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_token = (8 * text_config.hidden_size + 4 * getattr(text_config, "intermediate_size", 0)) * element
+        return max_tokens * per_token + 2 * max_rows * self.vocab_size * 4 + 256 * 2**20
+
     def rotary(self) -> tuple[str, float | None, torch.Tensor]:
         """The model's RoPE: its type, base (theta) and per-pair inverse frequencies."""
         text_config = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
