@@ -23,7 +23,7 @@ endif
 export RAY_SERVE_CONTROL_LOOP_INTERVAL_S ?= 1.0
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test bench clean
+.PHONY: setup model serve test bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,10 @@ test: model
 
 bench: model
 	$(BIN)/serve-app bench compare --plot docs/bench-compare.png
+
+# On a CUDA host: the greedy oracle there (float32 and bfloat16), then bench compare at bigger batches.
+gpu-check: model
+	$(BIN)/serve-app bench gpu-check
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

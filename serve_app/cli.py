@@ -61,6 +61,12 @@ def _bench_quant(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_gpu_check(args: argparse.Namespace) -> None:
+    from serve_app.bench.gpu_check import main
+
+    main(args)
+
+
 def _bench_route(args: argparse.Namespace) -> None:
     if args.simulate:
         from serve_app.bench.route_sim import main
@@ -104,7 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--concurrency", type=_int_list, default=[1, 16, 64, 128], help="requests in flight for engine and http; a list sweeps"
     )
-    compare.add_argument("--systems", type=_str_list, default=None, help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http")
+    compare.add_argument(
+        "--systems", type=_str_list, default=None,
+        help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http,http-int8,llama-server",
+    )
+    compare.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: adds that system")
+    compare.add_argument("--gguf", action="append", default=[], help="a GGUF for llama-server (repeat for several)")
+    compare.add_argument("--device", default="cpu", help="where the in-process systems run: cpu, cuda, cuda:N")
+    compare.add_argument("--dtype", default="float32", help="their dtype: float32, bfloat16, float16")
     compare.add_argument("--sequential-prompts", type=int, default=8, help="prompts for one-at-a-time generate (it is slow)")
     compare.add_argument("--single-client-prompts", type=int, default=16, help="prompts at concurrency 1 (it is slow)")
     compare.add_argument("--seed", type=int, default=0)
@@ -162,6 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--seed", type=int, default=0)
     quant.add_argument("--json", default=None)
     quant.set_defaults(func=_bench_quant)
+    gpu = bench.add_parser("gpu-check", help="on an accelerator: the greedy oracle per dtype, then bench compare there")
+    gpu.add_argument("--model", default=DEFAULT_MODEL)
+    gpu.add_argument("--device", default="cuda")
+    gpu.add_argument("--dtypes", type=_str_list, default=["float32", "bfloat16"], help="the oracle's dtypes")
+    gpu.add_argument("--prompts", type=int, default=16, help="oracle prompts")
+    gpu.add_argument("--max-tokens", type=int, default=32, help="oracle tokens per prompt")
+    gpu.add_argument("--bench-prompts", type=int, default=256)
+    gpu.add_argument("--bench-max-tokens", type=int, default=64)
+    gpu.add_argument("--bench-dtype", default="bfloat16")
+    gpu.add_argument("--concurrency", type=_int_list, default=[1, 64, 256])
+    gpu.add_argument("--seed", type=int, default=0)
+    gpu.add_argument("--json", default=None)
+    gpu.set_defaults(func=_bench_gpu_check)
     route = bench.add_parser(
         "route", help="the prefix-aware router against Serve's default: two live engine replicas, or simulated ones"
     )

@@ -114,6 +114,10 @@ def test_compare_alternates_engine_and_http_by_concurrency() -> None:
         ("engine", [1]), ("http", [1]), ("engine", [64]), ("http", [64]), ("hf-static", [1, 64]),
     ]
     assert plan_runs(["hf-static", "engine"], [1, 64]) == [("hf-static", [1, 64]), ("engine", [1, 64])]
+    assert plan_runs(["http", "http-int8", "llama-server:q8"], [1, 64]) == [
+        ("http", [1]), ("http-int8", [1]), ("llama-server:q8", [1]),
+        ("http", [64]), ("http-int8", [64]), ("llama-server:q8", [64]),
+    ]
 
 
 def test_bench_compare_small_run(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
-"""A light load-generating client: streaming `/v1/completions` over aiohttp, timed per request.
+"""A light load-generating client: streaming completions over aiohttp, timed per request.
 
 A load generator shares the machine with the server, so it parses the server-sent events itself
-instead of building SDK objects for every chunk (as vLLM's serving benchmark does). It asks for
-`return_token_ids`, so the first token counts even when its text is empty (an EOS when EOS is
-ignored), the same event the in-process benchmark times.
+instead of building SDK objects for every chunk (as vLLM's serving benchmark does). Every chunk
+is counted by its token ids, so the first token counts even when its text is empty (an EOS when
+EOS is ignored), the same event the in-process benchmark times: this server's `/v1/completions`
+sends them with `return_token_ids`, llama.cpp's `llama-server` sends them on its own
+`/completion` route (API `llama.cpp`), each chunk one token.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from serve_app.bench.stats import RequestTiming
 class CompletionClient:
     """One HTTP session for many concurrent greedy streaming completions (EOS ignored)."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
-        self._url = f"{url}/v1/completions"
+    def __init__(self, url: str, timeout_s: float = 600.0, api: str = "openai") -> None:
+        if api not in ("openai", "llama.cpp"):
+            raise ValueError(f"unknown completion API {api!r}")
+        self._api = api
+        self._url = f"{url}/v1/completions" if api == "openai" else f"{url}/completion"
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
         )
@@ -33,10 +38,7 @@ class CompletionClient:
         await self._session.close()
 
     async def stream(self, model: str, prompt: str | list[int], max_tokens: int) -> RequestTiming:
-        body = {
-            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True,
-        }
+        body = self._body(model, prompt, max_tokens)
         start = time.perf_counter()
         first: float | None = None
         last = start
@@ -50,13 +52,26 @@ class CompletionClient:
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(f"stream failed: {chunk['error']}")
-                for choice in chunk["choices"]:
-                    if choice["token_ids"]:
-                        last = time.perf_counter()
-                        first = first or last
-                        tokens += len(choice["token_ids"])
+                count = self._tokens_in(chunk)
+                if count:
+                    last = time.perf_counter()
+                    first = first or last
+                    tokens += count
         if first is None:
             return RequestTiming(ttft=0.0, gaps=(), output_tokens=0)
         # A chunk may carry several tokens: spread the stream's duration over them.
         gaps = ((last - first) / max(1, tokens - 1),) * max(0, tokens - 1)
         return RequestTiming(ttft=first - start, gaps=gaps, output_tokens=tokens)
+
+    def _body(self, model: str, prompt: str | list[int], max_tokens: int) -> dict:
+        if self._api == "llama.cpp":
+            return {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+        return {
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True,
+        }
+
+    def _tokens_in(self, chunk: dict) -> int:
+        if self._api == "llama.cpp":  # the last chunk (`stop`) repeats nothing unless asked to
+            return 0 if chunk.get("stop") else len(chunk.get("tokens", ()))
+        return sum(len(choice["token_ids"] or ()) for choice in chunk["choices"])

@@ -1,9 +1,11 @@
 """`serve-app bench compare`: every system over the same prompts in one run, side by side, as ratios.
 
 Each in-process system runs in a fresh subprocess (its own memory peak, no shared state); the
-HTTP system is a real `serve run` loaded by an async OpenAI client from this process. The engine
-and HTTP runs alternate by concurrency (`plan_runs`), and the host's matmul rate is measured
-before every run, because a shared host's speed drifts (here 150-296 GFLOP/s within one run).
+HTTP systems are a real `serve run` (`http`, and `http-int8` with int8 weights) and llama.cpp's
+`llama-server` on each GGUF given (`llama-server:<file stem>`), loaded by one async client from this
+process with the same token-id prompts. The engine and the HTTP systems alternate by concurrency
+(`plan_runs`), and the host's matmul rate is measured before every run, because a shared host's
+speed drifts (here 150-296 GFLOP/s within one run).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from serve_app.bench.hardware import decode_ceiling_tok_s, matmul_gflops
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, format_table
 
-SYSTEMS = ("engine", "hf-sequential", "hf-static", "hf-generate-batch", "http")
+SYSTEMS = ("engine", "hf-sequential", "hf-static", "hf-generate-batch", "http", "http-int8", "llama-server")
+# Run level by level, alternating, so that their ratios compare runs minutes apart.
+SERVED = ("engine", "http", "http-int8")
+LLAMA = "llama-server"
 MODEL = "smollm2-135m-instruct"
 
 
@@ -47,31 +52,40 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
     parser.add_argument("--single-client-prompts", type=int, default=16)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     prompts = json.loads(args.prompts.read_text())
+    placement = systems.Placement(args.device, args.dtype)
     if args.system == "engine":
         result = systems.run_engine(
-            str(args.model_path), prompts, args.concurrency, args.max_tokens, args.single_client_prompts
+            str(args.model_path), prompts, args.concurrency, args.max_tokens, args.single_client_prompts, placement
         )
     elif args.system == "hf-sequential":
-        result = systems.run_hf_sequential(args.model_path, prompts, args.max_tokens)
+        result = systems.run_hf_sequential(args.model_path, prompts, args.max_tokens, placement)
     elif args.system == "hf-static":
-        result = systems.run_hf_static(args.model_path, prompts, args.max_tokens)
+        result = systems.run_hf_static(args.model_path, prompts, args.max_tokens, placement)
     else:
-        result = systems.run_hf_generate_batch(args.model_path, prompts, args.max_tokens)
+        result = systems.run_hf_generate_batch(args.model_path, prompts, args.max_tokens, placement)
     args.out.write_text(json.dumps({"rows": [asdict(r) for r in result.rows], "tokens": result.tokens}))
+
+
+def _served(system: str) -> bool:
+    return system in SERVED or system.startswith(f"{LLAMA}:")
 
 
 def plan_runs(systems: Sequence[str], concurrencies: Sequence[int]) -> list[tuple[str, list[int]]]:
     """The runs in order, each a system and its concurrency levels.
 
-    With both `engine` and `http`, they alternate level by level (the engine at C, then HTTP at
-    C, each fresh), so every HTTP/engine ratio compares runs minutes apart on a host whose speed
-    drifts; the other systems follow, each over every level at once.
+    With two or more of the engine and the HTTP systems, they alternate level by level (the
+    engine at C, then each HTTP system at C, each fresh), so every ratio between them compares
+    runs minutes apart on a host whose speed drifts; the other systems follow, each over every
+    level at once.
     """
-    paired = "engine" in systems and "http" in systems
-    runs = [(system, [c]) for c in concurrencies for system in ("engine", "http")] if paired else []
-    return runs + [(s, list(concurrencies)) for s in systems if not (paired and s in ("engine", "http"))]
+    served = [s for s in systems if _served(s)]
+    paired = served if len(served) > 1 else []
+    runs = [(system, [c]) for c in concurrencies for system in paired]
+    return runs + [(s, list(concurrencies)) for s in systems if s not in paired]
 
 
 def _run_worker(
@@ -83,7 +97,8 @@ def _run_worker(
     command = [
         sys.executable, "-m", "serve_app.bench.compare", "--worker", system, "--model-path", str(model_path),
         "--prompts", str(prompt_file), "--max-tokens", str(args.max_tokens), "--out", str(out),
-        "--single-client-prompts", str(args.single_client_prompts), "--concurrency", *map(str, concurrency),
+        "--single-client-prompts", str(args.single_client_prompts), "--device", args.device, "--dtype", args.dtype,
+        "--concurrency", *map(str, concurrency),
     ]
     levels = f" at concurrency {','.join(map(str, concurrency))}" if system == "engine" else ""
     print(f"running {system}{levels} ...", flush=True)
@@ -92,12 +107,18 @@ def _run_worker(
     return [BenchRow(**row) for row in data["rows"]], data["tokens"]
 
 
-def _run_http(prompts: list[list[int]], concurrency: list[int], args: argparse.Namespace, tmp: Path) -> list[BenchRow]:
-    from serve_app.bench.servers import ServeRun
+def _run_http(
+    system: str, prompts: list[list[int]], concurrency: list[int], args: argparse.Namespace, tmp: Path
+) -> list[BenchRow]:
+    from serve_app.bench.servers import LlamaServer, ServeRun
     from serve_app.bench.systems import run_http
 
-    print(f"starting serve run for concurrency {','.join(map(str, concurrency))} ...", flush=True)
-    server = ServeRun(tmp, args={"max_model_len": 2048})
+    print(f"starting {system} for concurrency {','.join(map(str, concurrency))} ...", flush=True)
+    if system.startswith(f"{LLAMA}:"):
+        server = LlamaServer(Path(args.llama_server), _gguf_of(system, args), tmp)
+    else:
+        quantization = {"quantization": "int8"} if system == "http-int8" else {}
+        server = ServeRun(tmp, args={"max_model_len": 2048, **quantization})
     peak = [server.rss_mb()]
     stop = threading.Event()
 
@@ -108,7 +129,10 @@ def _run_http(prompts: list[list[int]], concurrency: list[int], args: argparse.N
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        rows = run_http(server.url, MODEL, prompts, concurrency, args.max_tokens, args.single_client_prompts)
+        api = "llama.cpp" if system.startswith(f"{LLAMA}:") else "openai"
+        rows = run_http(
+            server.url, MODEL, prompts, concurrency, args.max_tokens, args.single_client_prompts, system=system, api=api
+        )
     finally:
         stop.set()
         sampler.join()
@@ -120,10 +144,17 @@ def main(args: argparse.Namespace) -> None:
     from serve_app.config import default_cache_dir
     from serve_app.model.loader import resolve_model_path
 
-    systems = args.systems or list(SYSTEMS)
+    systems = args.systems or [s for s in SYSTEMS if s != LLAMA or args.llama_server]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         sys.exit(f"serve-app bench compare: unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    if args.device != "cpu" and any(s.startswith("http") or s == LLAMA for s in systems):
+        sys.exit("serve-app bench compare: the HTTP systems and llama-server run on the CPU only; drop --device")
+    if LLAMA in systems:
+        if not args.llama_server or not args.gguf:
+            sys.exit("serve-app bench compare: llama-server needs --llama-server PATH and --gguf PATH")
+        at = systems.index(LLAMA)
+        systems[at : at + 1] = [f"{LLAMA}:{Path(g).stem}" for g in args.gguf]
     model_path = resolve_model_path(MODEL, default_cache_dir())
     prompts = _token_prompts(model_path, args.prompts, args.seed)
     gflops = matmul_gflops()
@@ -135,8 +166,8 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as tmp:
         for system, concurrency in plan_runs(systems, args.concurrency):
             rate = matmul_gflops()
-            if system == "http":
-                run_rows = _run_http(prompts, concurrency, args, Path(tmp))
+            if system.startswith("http") or system.startswith(LLAMA):
+                run_rows = _run_http(system, prompts, concurrency, args, Path(tmp))
             else:
                 subset = prompts[: args.sequential_prompts] if system == "hf-sequential" else prompts
                 run_rows, run_tokens = _run_worker(system, model_path, subset, concurrency, args, Path(tmp))
@@ -153,6 +184,10 @@ def main(args: argparse.Namespace) -> None:
 
         plot_rows(rows, args.plot, title=f"{args.prompts} prompts, {args.max_tokens} new tokens, greedy")
         print(f"plot written to {args.plot}")
+
+
+def _gguf_of(system: str, args: argparse.Namespace) -> Path:
+    return next(Path(g) for g in args.gguf if Path(g).stem == system.split(":", 1)[1])
 
 
 def _parameter_count(model_path: Path) -> int:
@@ -179,14 +214,18 @@ def _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args) -> dict:
             row = next((r for r in rows if r.system == peer), None)
             if row is not None and row.output_tok_s:
                 ratios[f"engine/{peer}"] = round(engine_top.output_tok_s / row.output_tok_s, 2)
-        for row in (r for r in rows if r.system == "http"):
+        for row in (r for r in rows if r.system in ("http", "http-int8")):
             same = best_engine.get(row.concurrency)
             if same is not None and same.output_tok_s:
-                ratios[f"http/engine@c={row.concurrency}"] = round(row.output_tok_s / same.output_tok_s, 2)
+                ratios[f"{row.system}/engine@c={row.concurrency}"] = round(row.output_tok_s / same.output_tok_s, 2)
                 # The single-client target: HTTP TTFT within 1.2x the in-process TTFT plus 20 ms (<= 1 passes).
-                ratios[f"http ttft p50 / (1.2 x engine ttft p50 + 20 ms) @c={row.concurrency}"] = round(
+                ratios[f"{row.system} ttft p50 / (1.2 x engine ttft p50 + 20 ms) @c={row.concurrency}"] = round(
                     row.ttft_p50_s / (1.2 * same.ttft_p50_s + 0.02), 3
                 )
+    for ours in (r for r in rows if r.system in ("http", "http-int8")):
+        for peer in (r for r in rows if r.system.startswith(f"{LLAMA}:") and r.concurrency == ours.concurrency):
+            if peer.output_tok_s:
+                ratios[f"{ours.system}/{peer.system}@c={ours.concurrency}"] = round(ours.output_tok_s / peer.output_tok_s, 2)
     lines.append("")
     lines += [f"{name}: {value}" for name, value in ratios.items()]
     oracle = None

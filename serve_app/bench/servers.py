@@ -1,4 +1,5 @@
-"""A real `serve run` of a Serve config on a free loopback port, for benchmarks and tests."""
+"""The servers benchmarks and tests start on free loopback ports: a real `serve run` of a Serve config,
+and llama.cpp's `llama-server` (the CPU peer of `bench compare`)."""
 
 from __future__ import annotations
 
@@ -226,3 +227,58 @@ class ServeRun:
         kill_haproxy_listening_on(self.port)
         self._log.close()
         shutil.rmtree(self.ray_dir, ignore_errors=True)
+
+
+class LlamaServer:
+    """llama.cpp's `llama-server` on a GGUF file, on a free loopback port: the CPU peer of `bench compare`,
+    started as its own benchmarks start it (`-t` threads, `-np` parallel slots sharing a `-c` context)."""
+
+    def __init__(
+        self, binary: Path, gguf: Path, workdir: Path, threads: int = 2, slots: int = 64, context: int = 32768,
+        timeout: float = 120.0,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"llama-server-{gguf.stem}.log"
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [
+                str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+                "-np", str(slots), "-c", str(context), "-b", "512", "-ub", "512",
+            ],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"llama-server not ready after {timeout} s:\n{self.log_tail()}")
+
+    def rss_mb(self) -> float:
+        import psutil
+
+        try:
+            return psutil.Process(self.process.pid).memory_info().rss / 2**20
+        except psutil.NoSuchProcess:
+            return 0.0
+
+    def log_tail(self, chars: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text()[-chars:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+        self._log.close()

@@ -34,12 +34,32 @@ def prompts_at(prompts: list, concurrency: int, single_client_prompts: int) -> l
     return prompts[:single_client_prompts] if concurrency == 1 else prompts
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the in-process systems run: a device and dtype as the engine's config names them."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def resolved(self) -> tuple[torch.device, torch.dtype]:
+        from serve_app.model.runner import resolve_device, resolve_dtype
+
+        device = resolve_device(self.device)
+        return device, resolve_dtype(self.dtype, device)
+
+
 def run_engine(
-    model: str, prompts: list[list[int]], concurrencies: Sequence[int], max_tokens: int, single_client_prompts: int
+    model: str, prompts: list[list[int]], concurrencies: Sequence[int], max_tokens: int, single_client_prompts: int,
+    placement: Placement = Placement(),
 ) -> SystemResult:
     from serve_app.engine.engine import InferenceEngine
 
-    engine = InferenceEngine(model=model, kv_cache="paged", cache_tokens=65536, max_model_len=2048, max_num_seqs=256)
+    device, dtype = placement.resolved()
+    max_num_seqs = max(256, *concurrencies)
+    engine = InferenceEngine(
+        model=model, kv_cache="paged", cache_tokens=65536, max_model_len=2048, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(512, max_num_seqs), device=str(device), dtype=str(dtype).removeprefix("torch."),
+    )
     try:
         run_engine_bench(engine, prompts[:4], 4, 4, system="warmup")
         rows, tokens = [], []
@@ -65,10 +85,11 @@ class _StepClock:
         return scores
 
 
-def _load_hf(path: Path, attn: str = "sdpa"):
+def _load_hf(path: Path, placement: Placement, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    device, dtype = placement.resolved()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device)
     model.eval()
     return model
 
@@ -77,11 +98,13 @@ def _greedy_kwargs(max_tokens: int) -> dict:
     return dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
-def run_hf_sequential(path: Path, prompts: list[list[int]], max_tokens: int) -> SystemResult:
+def run_hf_sequential(
+    path: Path, prompts: list[list[int]], max_tokens: int, placement: Placement = Placement()
+) -> SystemResult:
     """transformers `generate`, one request at a time."""
     from transformers import LogitsProcessorList
 
-    model = _load_hf(path)
+    model = _load_hf(path, placement)
     timings, tokens = [], []
     begin = time.perf_counter()
     with torch.inference_mode():
@@ -89,7 +112,8 @@ def run_hf_sequential(path: Path, prompts: list[list[int]], max_tokens: int) -> 
             clock = _StepClock()
             start = time.perf_counter()
             out = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=model.device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
                 logits_processor=LogitsProcessorList([clock]), **_greedy_kwargs(max_tokens),
             )
             tokens.append(out[0, len(ids) :].tolist())
@@ -98,11 +122,13 @@ def run_hf_sequential(path: Path, prompts: list[list[int]], max_tokens: int) -> 
     return SystemResult([row], tokens)
 
 
-def run_hf_static(path: Path, prompts: list[list[int]], max_tokens: int) -> SystemResult:
+def run_hf_static(
+    path: Path, prompts: list[list[int]], max_tokens: int, placement: Placement = Placement()
+) -> SystemResult:
     """transformers `generate` on one left-padded batch of every prompt."""
     from transformers import LogitsProcessorList
 
-    model = _load_hf(path)
+    model = _load_hf(path, placement)
     width = max(len(p) for p in prompts)
     input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -113,7 +139,7 @@ def run_hf_static(path: Path, prompts: list[list[int]], max_tokens: int) -> Syst
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids, attention_mask=mask, logits_processor=LogitsProcessorList([clock]), **_greedy_kwargs(max_tokens)
+            input_ids.to(model.device), attention_mask=mask.to(model.device), logits_processor=LogitsProcessorList([clock]), **_greedy_kwargs(max_tokens)
         )
     duration = time.perf_counter() - start
     tokens = out[:, width:].tolist()
@@ -122,11 +148,13 @@ def run_hf_static(path: Path, prompts: list[list[int]], max_tokens: int) -> Syst
     return SystemResult([row], tokens)
 
 
-def run_hf_generate_batch(path: Path, prompts: list[list[int]], max_tokens: int) -> SystemResult:
+def run_hf_generate_batch(
+    path: Path, prompts: list[list[int]], max_tokens: int, placement: Placement = Placement()
+) -> SystemResult:
     """transformers' own continuous batching (`generate_batch`)."""
     from transformers import GenerationConfig
 
-    model = _load_hf(path, attn="sdpa")
+    model = _load_hf(path, placement, attn="sdpa")
     config = GenerationConfig(**_greedy_kwargs(max_tokens))
     model.generate_batch(inputs=prompts[:2], generation_config=config, progress_bar=False)  # warm-up
     start = time.perf_counter()
@@ -142,9 +170,11 @@ def run_hf_generate_batch(path: Path, prompts: list[list[int]], max_tokens: int)
     return SystemResult([row], tokens)
 
 
-async def _http_requests(url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int):
+async def _http_requests(
+    url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int, api: str
+) -> tuple[float, list[RequestTiming]]:
     slots = asyncio.Semaphore(concurrency)
-    async with CompletionClient(url) as client:
+    async with CompletionClient(url, api=api) as client:
 
         async def one(ids: list[int]) -> RequestTiming:
             async with slots:
@@ -162,12 +192,15 @@ def run_http(
     concurrencies: Sequence[int],
     max_tokens: int,
     single_client_prompts: int,
+    system: str = "http",
+    api: str = "openai",
 ) -> list[BenchRow]:
-    """This server through the full HTTP path: streaming OpenAI completions from an async client."""
-    asyncio.run(_http_requests(url, model, prompts[:4], 4, 4))  # warm-up
+    """A server through its full HTTP path: streaming completions of token-id prompts from an async client
+    (this server's OpenAI completions, or llama-server's own `/completion` with `api="llama.cpp"`)."""
+    asyncio.run(_http_requests(url, model, prompts[:4], 4, 4, api))  # warm-up
     rows = []
     for concurrency in concurrencies:
         subset = prompts_at(prompts, concurrency, single_client_prompts)
-        duration, timings = asyncio.run(_http_requests(url, model, subset, concurrency, max_tokens))
-        rows.append(BenchRow.from_timings("http", concurrency, duration, timings))
+        duration, timings = asyncio.run(_http_requests(url, model, subset, concurrency, max_tokens, api))
+        rows.append(BenchRow.from_timings(system, concurrency, duration, timings))
     return rows
