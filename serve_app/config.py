@@ -48,6 +48,9 @@ class ModelConfig(_Strict):
         description="how tools reach the model: auto reads the chat template (hermes for <tool_call> templates, "
         "llama3_json for Llama 3.1+, generic for templates that ignore tools)",
     )
+    compile: bool = Field(
+        False, description="torch.compile the forward (inductor, dynamic token counts), compiled and warmed up at start"
+    )
     quantization: Literal["none", "int8"] = Field(
         "none", description="int8: every linear layer with int8 weights and dynamic int8 activations (CPU)"
     )
@@ -94,6 +97,7 @@ _FLAT_KEYS: dict[str, tuple[str, str]] = {
     "cache_dir": ("model", "cache_dir"),
     "tool_call_format": ("model", "tool_call_format"),
     "quantization": ("model", "quantization"),
+    "compile": ("model", "compile"),
     "kv_cache": ("cache", "kind"),
     "page_size": ("cache", "page_size"),
     "cache_tokens": ("cache", "num_tokens"),

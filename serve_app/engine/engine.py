@@ -111,7 +111,10 @@ class InferenceEngine:
         runner = ModelRunner(self.config.model)
         scheduler = self.config.scheduler
         activations = runner.activation_bytes(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
-        return runner, build_kv_cache(self.config.cache, runner.kv_shape, runner.max_model_len, runner.device, activations)
+        cache = build_kv_cache(self.config.cache, runner.kv_shape, runner.max_model_len, runner.device, activations)
+        if self.config.model.compile:
+            runner.compile(cache.storage)
+        return runner, cache
 
     @property
     def tokenizer(self) -> Tokenizer:

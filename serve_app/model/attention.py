@@ -1,6 +1,16 @@
-"""Our attention function for transformers' `AttentionInterface`: cache write, then paged decode and prefill attention."""
+"""Our attention for transformers' `AttentionInterface`: cache write, then paged decode and prefill attention.
+
+The step's `KVCacheView` (and the decode kernel) reach the attention through `step_context`, not
+through the model's arguments, and the attention itself is a custom op (`serve_app::paged_attention`)
+on tensors only: `torch.compile` then traces the whole model as one graph with the attention an
+opaque call inside it, as vLLM treats its attention op.
+"""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +21,24 @@ from serve_app.model.decode_kernel import DecodeKernel
 ATTENTION_NAME = "serve_app_kv"
 
 
+class _Step(threading.local):
+    view: KVCacheView | None = None
+    decode_kernel: DecodeKernel | None = None
+
+
+_step = _Step()
+
+
+@contextmanager
+def step_context(view: KVCacheView, decode_kernel: DecodeKernel | None) -> Iterator[None]:
+    """Make `view` (and the kernel) the attention's for one forward on this thread."""
+    _step.view, _step.decode_kernel = view, decode_kernel
+    try:
+        yield
+    finally:
+        _step.view = _step.decode_kernel = None
+
+
 def kv_cache_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -19,22 +47,39 @@ def kv_cache_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    kv_view: KVCacheView | None = None,
-    decode_kernel: DecodeKernel | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the packed batch `[1, heads, T, head_dim]` (q, k, v after RoPE).
+    """transformers' side: `[1, heads, T, head_dim]` q, k, v (after RoPE) in, `[1, T, heads, head_dim]` out."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    queries, keys, values = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim]
+    attend = torch.ops.serve_app.paged_attention if torch.compiler.is_compiling() else paged_attention_step
+    return attend(queries, keys, values, module.layer_idx, scale).unsqueeze(0), None
+
+
+@torch.library.custom_op("serve_app::paged_attention", mutates_args=())
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """The op `torch.compile` sees: the current step's attention of one layer (see `paged_attention_step`)."""
+    return paged_attention_step(query, key, value, layer, scale)
+
+
+@paged_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+def paged_attention_step(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    """Attention of the packed batch: q `[T, heads, head_dim]`, k and v `[T, kv_heads, head_dim]`.
 
     The new k/v go into their cache slots first. The decode rows then attend over their pages,
-    through `decode_kernel` where there is one, else as gathered groups; each prefill chunk
-    attends over its own context. Returns `[1, T, heads, head_dim]` as transformers expects.
+    through the decode kernel where there is one, else as gathered groups; each prefill chunk
+    attends over its own context.
     """
+    kv_view, decode_kernel = _step.view, _step.decode_kernel
     if kv_view is None:
-        raise RuntimeError("kv_cache_attention needs the step's kv_view")
-    layer = module.layer_idx
-    kv_view.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        raise RuntimeError("paged attention runs only inside a step_context")
+    kv_view.write(layer, keys, values)
     output = torch.empty_like(queries)
     decode = kv_view.decode
     if decode is not None and decode_kernel is not None:
@@ -43,7 +88,7 @@ def kv_cache_attention(
             decode.page_tables, decode.context_lens, scale,
         )
     elif decode is not None:
-        n_kv_heads = key.shape[1]
+        n_kv_heads = keys.shape[1]
         for group in kv_view.decode_groups:
             k, v = kv_view.context(layer, group)
             rows = queries[group.rows]
@@ -53,7 +98,7 @@ def kv_cache_attention(
             output[group.rows] = out.reshape(group.num_seqs, *rows.shape[1:])
     for group in kv_view.prefill_groups:
         if group.context_is_new:
-            k, v = key[:, :, group.rows], value[:, :, group.rows]
+            k, v = keys[group.rows].transpose(0, 1)[None], values[group.rows].transpose(0, 1)[None]
         else:
             k, v = kv_view.context(layer, group)
         q = queries[group.rows].view(1, group.q_len, -1, queries.shape[-1]).transpose(1, 2)
@@ -67,7 +112,7 @@ def kv_cache_attention(
             enable_gqa=q.shape[1] != k.shape[1],
         )
         output[group.rows] = out[0].transpose(0, 1)
-    return output.unsqueeze(0), None
+    return output
 
 
 def no_mask(*_: object, **__: object) -> None:

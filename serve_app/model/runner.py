@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from serve_app.config import ModelConfig
-from serve_app.kv.storage import KVShape
+from serve_app.kv.storage import KVShape, Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
-from serve_app.model.attention import register_attention
+from serve_app.model.attention import register_attention, step_context
 from serve_app.model.decode_kernel import load_decode_kernel
 from serve_app.model.loader import resolve_model_path
 from serve_app.model.quantize import quantize_int8
@@ -87,7 +88,17 @@ class ModelRunner:
         self.decode_kernel = (
             load_decode_kernel(config.cache_dir, self.device, self.dtype) if config.decode_attention == "auto" else None
         )
+        self._forward: Callable[..., Any] = self.model
+        self._quantization = config.quantization
         logger.info("loaded %s on %s (%s, quantization %s)", self.path, self.device, self.dtype, config.quantization)
+
+    def compile(self, storage: Storage) -> None:
+        """Run the forward compiled from now on (compiled and warmed up here, into `storage`'s first pages)."""
+        from serve_app.model.compiled import compile_forward
+
+        # Inductor's freezing passes fail on the int8 layers' product (`_int_mm`) with dynamic shapes.
+        freezing = self.device.type == "cpu" and self._quantization == "none"
+        self._forward = compile_forward(self.model, storage, self.decode_kernel, freezing)
 
     def activation_bytes(self, max_tokens: int, max_rows: int) -> int:
         """An upper estimate of one step's transient memory: a few hidden-sized and the MLP's
@@ -118,12 +129,6 @@ class ModelRunner:
         input_ids = torch.tensor([batch.token_ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        output = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=keep,
-            kv_view=view,
-            decode_kernel=self.decode_kernel,
-        )
+        with step_context(view, self.decode_kernel):
+            output = self._forward(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
         return output.logits[0].float()
