@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument(
         "--systems", type=_str_list, default=None,
-        help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http,http-int8,llama-server",
+        help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http,http-int8,http-compiled,"
+        "http-int8-compiled,llama-server",
     )
     compare.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: adds that system")
     compare.add_argument("--gguf", action="append", default=[], help="a GGUF for llama-server (repeat for several)")

@@ -27,9 +27,9 @@ class CompletionClient:
             raise ValueError(f"unknown completion API {api!r}")
         self._api = api
         self._url = f"{url}/v1/completions" if api == "openai" else f"{url}/completion"
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=timeout_s)
-        )
+        # llama-server's HTTP library closes an idle kept-alive connection on its own: one per request.
+        connector = aiohttp.TCPConnector(limit=0, force_close=api == "llama.cpp")
+        self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
 
     async def __aenter__(self) -> CompletionClient:
         return self

@@ -1,7 +1,8 @@
 """`serve-app bench compare`: every system over the same prompts in one run, side by side, as ratios.
 
 Each in-process system runs in a fresh subprocess (its own memory peak, no shared state); the
-HTTP systems are a real `serve run` (`http`, and `http-int8` with int8 weights) and llama.cpp's
+HTTP systems are a real `serve run` (`http`; `http-int8` with int8 weights; `-compiled` with the
+compiled forward) and llama.cpp's
 `llama-server` on each GGUF given (`llama-server:<file stem>`), loaded by one async client from this
 process with the same token-id prompts. The engine and the HTTP systems alternate by concurrency
 (`plan_runs`), and the host's matmul rate is measured before every run, because a shared host's
@@ -26,9 +27,16 @@ from serve_app.bench.hardware import decode_ceiling_tok_s, matmul_gflops
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, format_table
 
-SYSTEMS = ("engine", "hf-sequential", "hf-static", "hf-generate-batch", "http", "http-int8", "llama-server")
+# `serve run` with these engine args on top of serve_config.yaml's.
+HTTP_SYSTEMS = {
+    "http": {},
+    "http-int8": {"quantization": "int8"},
+    "http-compiled": {"compile": True},
+    "http-int8-compiled": {"quantization": "int8", "compile": True},
+}
+SYSTEMS = ("engine", "hf-sequential", "hf-static", "hf-generate-batch", *HTTP_SYSTEMS, "llama-server")
 # Run level by level, alternating, so that their ratios compare runs minutes apart.
-SERVED = ("engine", "http", "http-int8")
+SERVED = ("engine", *HTTP_SYSTEMS)
 LLAMA = "llama-server"
 MODEL = "smollm2-135m-instruct"
 
@@ -117,8 +125,7 @@ def _run_http(
     if system.startswith(f"{LLAMA}:"):
         server = LlamaServer(Path(args.llama_server), _gguf_of(system, args), tmp)
     else:
-        quantization = {"quantization": "int8"} if system == "http-int8" else {}
-        server = ServeRun(tmp, args={"max_model_len": 2048, **quantization})
+        server = ServeRun(tmp, args={"max_model_len": 2048, **HTTP_SYSTEMS[system]}, timeout=1200)
     peak = [server.rss_mb()]
     stop = threading.Event()
 
@@ -214,7 +221,7 @@ def _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args) -> dict:
             row = next((r for r in rows if r.system == peer), None)
             if row is not None and row.output_tok_s:
                 ratios[f"engine/{peer}"] = round(engine_top.output_tok_s / row.output_tok_s, 2)
-        for row in (r for r in rows if r.system in ("http", "http-int8")):
+        for row in (r for r in rows if r.system in HTTP_SYSTEMS):
             same = best_engine.get(row.concurrency)
             if same is not None and same.output_tok_s:
                 ratios[f"{row.system}/engine@c={row.concurrency}"] = round(row.output_tok_s / same.output_tok_s, 2)
@@ -222,7 +229,7 @@ def _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args) -> dict:
                 ratios[f"{row.system} ttft p50 / (1.2 x engine ttft p50 + 20 ms) @c={row.concurrency}"] = round(
                     row.ttft_p50_s / (1.2 * same.ttft_p50_s + 0.02), 3
                 )
-    for ours in (r for r in rows if r.system in ("http", "http-int8")):
+    for ours in (r for r in rows if r.system in HTTP_SYSTEMS):
         for peer in (r for r in rows if r.system.startswith(f"{LLAMA}:") and r.concurrency == ours.concurrency):
             if peer.output_tok_s:
                 ratios[f"{ours.system}/{peer.system}@c={ours.concurrency}"] = round(ours.output_tok_s / peer.output_tok_s, 2)
