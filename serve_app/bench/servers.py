@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
@@ -133,6 +133,21 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {QUIET_PORTS}")
 
 
+def wait_healthy(name: str, url: str, process: subprocess.Popen, timeout: float, log_tail: Callable[[], str]) -> None:
+    """Return once `url`/health answers 200; raise with the log's tail if `process` exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{name} not ready after {timeout} s:\n{log_tail()}")
+
+
 class ServeRun:
     """`serve run` on a Serve config (the project's by default), moved to a free port, args, deployment
     options (`deployments`: name -> options to set) and `proxy_location` overridden.
@@ -183,17 +198,7 @@ class ServeRun:
         self.wait_ready(timeout)
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"serve run exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"serve run not ready after {timeout} s:\n{self.log_tail()}")
+        wait_healthy("serve run", self.url, self.process, timeout, self.log_tail)
 
     def rss_mb(self) -> float:
         """Resident memory of the whole `serve run` process tree (driver, Ray, replicas), in MiB."""
@@ -248,18 +253,11 @@ class LlamaServer:
             ],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"llama-server not ready after {timeout} s:\n{self.log_tail()}")
+        try:
+            wait_healthy("llama-server", self.url, self.process, timeout, self.log_tail)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def rss_mb(self) -> float:
         import psutil
