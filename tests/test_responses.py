@@ -124,13 +124,12 @@ def test_a_streamed_function_call_has_its_argument_events(oai: openai.OpenAI) ->
     added = next(e for e in events if e.type == "response.output_item.added")
     assert added.item.type == "function_call" and added.item.arguments == ""
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
-    deltas = "".join(
-        e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == done.item_id
-    )
-    assert deltas == done.arguments
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == done.item_id]
+    assert "".join(pieces) == done.arguments and len(pieces) > 3  # the arguments stream as they are written
     jsonschema.validate(json.loads(done.arguments), WEATHER["parameters"])
     [call] = [item for item in events[-1].response.output if item.type == "function_call"][:1]
     assert call.arguments == done.arguments and call.call_id.startswith("call_")
+    assert (call.id, call.call_id) == (added.item.id, added.item.call_id)  # the response holds the streamed item
 
 
 def test_text_format_holds_the_answer_to_a_schema(oai: openai.OpenAI) -> None:

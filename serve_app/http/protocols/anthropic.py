@@ -35,6 +35,12 @@ from serve_app.http.tools.plan import (
     Turn,
     plan,
 )
+from serve_app.http.tools.stream import (
+    ArgumentsDelta,
+    CallStarted,
+    TextDelta,
+    ToolStream,
+)
 
 # Anthropic's API answers an overloaded service with 529 `overloaded_error`.
 OVERLOADED_STATUS = 529
@@ -219,17 +225,42 @@ def _block_start(index: int, block: dict[str, Any]) -> str:
     return sse({"type": "content_block_start", "index": index, "content_block": block}, "content_block_start")
 
 
-def _whole_block(index: int, block: dict[str, Any]) -> list[str]:
-    """A finished block as Anthropic streams one: its start, its content as one delta, its stop."""
-    if block["type"] == "tool_use":
-        start, delta = {**block, "input": {}}, {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-    else:
-        start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
-    return [
-        _block_start(index, start),
-        sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta"),
-        sse({"type": "content_block_stop", "index": index}, "content_block_stop"),
-    ]
+class _BlockStream:
+    """A tool-mode answer's content blocks as Anthropic streams them: a text block while text comes,
+    a `tool_use` block for each call (its input in `input_json_delta` pieces), each stopped as the
+    next one starts."""
+
+    def __init__(self, tools: ToolCallFormat) -> None:
+        self.answer = ToolStream(tools, "toolu_")
+        self.blocks = 0
+        self.open: str | None = None  # the open block's type
+
+    def update(self, text: str, final: bool) -> list[str]:
+        events: list[str] = []
+        for event in self.answer.update(text, final):
+            match event:
+                case TextDelta(piece):
+                    if self.open != "text":
+                        events += self._start({"type": "text", "text": ""})
+                    events.append(self._delta({"type": "text_delta", "text": piece}))
+                case CallStarted(_, call_id, name):
+                    events += self._start({"type": "tool_use", "id": call_id, "name": name, "input": {}})
+                case ArgumentsDelta(_, piece):
+                    events.append(self._delta({"type": "input_json_delta", "partial_json": piece}))
+        return events
+
+    def close(self) -> list[str]:
+        """Stop the open block (an answer with none gets one empty text block)."""
+        events = [] if self.blocks else self._start({"type": "text", "text": ""})
+        return [*events, sse({"type": "content_block_stop", "index": self.blocks - 1}, "content_block_stop")]
+
+    def _start(self, block: dict[str, Any]) -> list[str]:
+        events = [sse({"type": "content_block_stop", "index": self.blocks - 1}, "content_block_stop")] if self.open else []
+        self.blocks, self.open = self.blocks + 1, block["type"]
+        return [*events, _block_start(self.blocks - 1, block)]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse({"type": "content_block_delta", "index": self.blocks - 1, "delta": delta}, "content_block_delta")
 
 
 def _stop_reason(choice: Choice) -> str:
@@ -265,7 +296,8 @@ class MessagesBuilder(ResponseBuilder):
             stop=list(req.stop_sequences or []),
             structured_output=req.output_constraint(tools, tool_plan),
         )
-        options = {"tools": tools if tool_plan is not None else None}
+        answering = tool_plan is not None
+        options = {"tools": tools if answering else None, "blocks": _BlockStream(tools) if answering else None}
         return PreparedRequest(requests=[request], stream=req.stream, model=req.model, options=options)
 
     def _message(self, prepared: PreparedRequest, content: list[dict[str, Any]], choice: Choice, final: bool) -> dict[str, Any]:
@@ -285,12 +317,15 @@ class MessagesBuilder(ResponseBuilder):
         start = self._message(prepared, [], choices[0], final=False)
         start["usage"]["output_tokens"] = 0
         events = [sse({"type": "message_start", "message": start}, "message_start")]
-        if not prepared.options["tools"]:  # a tool-mode answer's blocks are known only once it is whole
+        if not prepared.options["tools"]:  # a tool-mode answer opens its blocks as it reaches them
             events.append(_block_start(0, {"type": "text", "text": ""}))
         return [*events, sse({"type": "ping"}, "ping")]
 
     def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
-        if not delta.text or prepared.options["tools"]:
+        if prepared.options["tools"]:
+            final = delta.finish_reason is not None and delta.finish_reason != "error"
+            return prepared.options["blocks"].update(choice.text, final)
+        if not delta.text:
             return []
         return [
             sse(
@@ -304,8 +339,9 @@ class MessagesBuilder(ResponseBuilder):
         if choice.finish_reason == "error":
             return [sse(self.format_error(ProtocolError("internal", choice.error or "generation failed")), "error")]
         if prepared.options["tools"]:
-            blocks, stop_reason = _tool_blocks(prepared.options["tools"], choice)
-            events = [event for index, block in enumerate(blocks) for event in _whole_block(index, block)]
+            blocks: _BlockStream = prepared.options["blocks"]
+            events = blocks.close()
+            stop_reason = "tool_use" if blocks.answer.called and choice.finish_reason == "stop" else _stop_reason(choice)
         else:
             events, stop_reason = [sse({"type": "content_block_stop", "index": 0}, "content_block_stop")], _stop_reason(choice)
         return [

@@ -46,6 +46,13 @@ from serve_app.http.tools.plan import (
     Turn,
     plan,
 )
+from serve_app.http.tools.stream import (
+    ArgumentsDelta,
+    CallStarted,
+    TextDelta,
+    ToolStream,
+    ToolStreamEvent,
+)
 
 _ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
@@ -457,6 +464,7 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
         ]
         prepared = _prepared(req, requests, logprobs=req.logprobs)
         prepared.options["tools"] = tools if tool_plan is not None else None
+        prepared.options["tool_streams"] = {}
         return prepared
 
     def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
@@ -531,25 +539,35 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
         )
 
     def _tool_chunks(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
-        """A tool-mode choice streams once its output is whole: each call's id, type and name first, then
-        its arguments (as OpenAI streams them), or the plain answer's text."""
-        if delta.finish_reason is None or delta.finish_reason == "error":
+        """A tool-mode choice streams as it is read: its text as content, each call's id, type and name
+        once its name is written, then its arguments in pieces (as OpenAI streams them)."""
+        if delta.finish_reason == "error":
             return []
-        finished = _tool_message(prepared.options["tools"], choice)
-        message, finish = finished["message"], finished["finish_reason"]
+        streams: dict[int, ToolStream] = prepared.options["tool_streams"]
+        stream = streams.setdefault(choice.index, ToolStream(prepared.options["tools"], "call_"))
+        final = delta.finish_reason is not None
 
         def chunk(delta_body: dict[str, Any], finish_reason: str | None = None) -> str:
             body = {"index": choice.index, "delta": delta_body, "logprobs": None, "finish_reason": finish_reason}
             return sse(self._chunk(prepared, [body]))
 
-        events = [chunk({"content": message["content"]})] if message["content"] else []
-        for index, call in enumerate(message.get("tool_calls", [])):
-            start = {"index": index, "id": call["id"], "type": "function",
-                     "function": {"name": call["function"]["name"], "arguments": ""}}
-            events.append(chunk({"tool_calls": [start]}))
-            events.append(chunk({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]}))
-        events.append(chunk({}, finish))
+        events = [chunk(_tool_delta(event)) for event in stream.update(choice.text, final)]
+        if final:
+            called = stream.called and choice.finish_reason == "stop"
+            events.append(chunk({}, "tool_calls" if called else _finish_reason(choice)))
         return events
+
+
+def _tool_delta(event: ToolStreamEvent) -> dict[str, Any]:
+    """A chat chunk's `delta` for one event of a tool-mode answer."""
+    match event:
+        case TextDelta(text):
+            return {"content": text}
+        case CallStarted(call, call_id, name):
+            started = {"index": call, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+            return {"tool_calls": [started]}
+        case ArgumentsDelta(call, text):
+            return {"tool_calls": [{"index": call, "function": {"arguments": text}}]}
 
 
 class CompletionsBuilder(_OpenAIBuilder):

@@ -51,6 +51,13 @@ from serve_app.http.tools.plan import (
     call_names,
     plan,
 )
+from serve_app.http.tools.scan import value_end
+from serve_app.http.tools.stream import (
+    ArgumentsDelta,
+    CallStarted,
+    TextDelta,
+    ToolStream,
+)
 
 
 class _Strict(BaseModel):
@@ -264,6 +271,10 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
+def _message_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
+
+
 def _call_item(call: ToolCall) -> dict[str, Any]:
     return {
         "type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call.id, "name": call.name,
@@ -284,7 +295,8 @@ class ResponsesBuilder(ResponseBuilder):
         self._req: ResponsesRequest | None = None
         self._turns: list[Turn] = []
         self._tools: ToolCallFormat | None = None
-        self._message_id = "msg_" + uuid.uuid4().hex[:24]
+        self._answer: ToolStream | None = None  # a tool-mode answer as it streams
+        self._items: list[dict[str, Any]] = []  # the output items streamed so far, the open one last
 
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         refuse_fields(body, UNSUPPORTED)
@@ -299,6 +311,7 @@ class ResponsesBuilder(ResponseBuilder):
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         self._req, self._turns = req, req.turns(self.previous.turns if self.previous else ())
         self._tools = tools if tool_plan is not None else None
+        self._answer = ToolStream(tools, "call_") if tool_plan is not None else None
         system = [Turn("system", req.instructions)] if req.instructions else []
         prompt = tools.prompt([*system, *self._turns], tool_plan)
         request = GenerateRequest(
@@ -347,29 +360,28 @@ class ResponsesBuilder(ResponseBuilder):
             "metadata": req.metadata or {},
         }
 
-    def _output(self, choice: Choice) -> tuple[str, list[dict[str, Any]], tuple[ToolCall, ...], str]:
-        """(status, output items, calls made, text) of a finished choice."""
+    def _output(self, choice: Choice) -> tuple[str, list[dict[str, Any]]]:
+        """(status, output items) of a finished choice."""
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         if self._tools is None or status == "incomplete":
-            return status, [_message_item(self._message_id, choice.text, status)], (), choice.text
+            return status, [_message_item(_message_id(), choice.text, status)]
         parsed = self._tools.parse(choice.text, "call_")
-        items = [_message_item(self._message_id, parsed.content, status)] if parsed.content else []
+        items = [_message_item(_message_id(), parsed.content, status)] if parsed.content else []
         items += [_call_item(call) for call in parsed.calls]
-        if not items:
-            items = [_message_item(self._message_id, "", status)]
-        return status, items, parsed.calls, parsed.content or ""
+        return status, items or [_message_item(_message_id(), "", status)]
 
-    def _finish(self, prepared: PreparedRequest, choice: Choice) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        status, items, calls, text = self._output(choice)
+    def _finish(self, prepared: PreparedRequest, choice: Choice, status: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole response, kept (with the conversation it ends) for `previous_response_id`."""
         response = self._response(prepared, status, items, choice)
-        turns = (*self._turns, Turn("assistant", text, calls=calls))
-        self.finished = StoredResponse(response, turns)
-        return response, items
+        text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
+        calls = tuple(ToolCall(i["call_id"], i["name"], i["arguments"]) for i in items if i["type"] == "function_call")
+        self.finished = StoredResponse(response, (*self._turns, Turn("assistant", text, calls=calls)))
+        return response
 
     def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
-        return self._finish(prepared, choices[0])[0]
+        return self._finish(prepared, choices[0], *self._output(choices[0]))
 
-    # The event stream.
+    # The event stream: each output item opens as the answer reaches it and closes as the next opens.
 
     def _event(self, kind: str, **fields: Any) -> str:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -379,28 +391,31 @@ class ResponsesBuilder(ResponseBuilder):
     def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
         started = self._response(prepared, "in_progress", [], None)
         events = [self._event("response.created", response=started), self._event("response.in_progress", response=started)]
-        if self._tools is None:  # a tool-mode answer's items are known only once it is whole
-            events += self._text_opening()
+        if self._tools is None:
+            events += self._open_message()
         return events
 
-    def _text_opening(self) -> list[str]:
-        return [
-            self._event("response.output_item.added", output_index=0, item=_message_item(self._message_id, "", "in_progress")),
-            self._event(
-                "response.content_part.added", item_id=self._message_id, output_index=0, content_index=0,
-                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-            ),
-        ]
-
     def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
-        if not delta.text or self._tools is not None:
-            return []
-        return [
-            self._event(
-                "response.output_text.delta", item_id=self._message_id, output_index=0, content_index=0,
-                delta=delta.text, logprobs=[],
-            )
-        ]
+        if self._answer is None:
+            return self._add_text(delta.text) if delta.text else []
+        events: list[str] = []
+        final = delta.finish_reason is not None and delta.finish_reason != "error"
+        for event in self._answer.update(choice.text, final):
+            match event:
+                case TextDelta(piece):
+                    if not self._items or self._items[-1]["type"] != "message":
+                        events += self._close_item("completed") + self._open_message()
+                    events += self._add_text(piece)
+                case CallStarted(_, call_id, name):
+                    item = {**_call_item(ToolCall(call_id, name, "")), "status": "in_progress"}
+                    events += self._close_item("completed") + self._open(item)
+                case ArgumentsDelta(_, piece):
+                    self._items[-1]["arguments"] += piece
+                    events.append(self._event(
+                        "response.function_call_arguments.delta", item_id=self._items[-1]["id"],
+                        output_index=len(self._items) - 1, delta=piece,
+                    ))
+        return events
 
     def format_stream_end(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
         choice = choices[0]
@@ -408,48 +423,56 @@ class ResponsesBuilder(ResponseBuilder):
             failed = self._response(prepared, "failed", [], choice)
             failed["error"] = {"code": "server_error", "message": choice.error or "generation failed"}
             return [self._event("response.failed", response=failed)]
-        response, items = self._finish(prepared, choice)
-        events: list[str] = []
-        for index, item in enumerate(items):
-            if item["type"] == "message":
-                events += self._text_closing(index, item, opened=self._tools is None)
-            else:
-                events += self._call_events(index, item)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        events = [] if self._items else self._open_message()
+        events += self._close_item(status)
+        response = self._finish(prepared, choice, status, self._items)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=response)]
 
-    def _text_closing(self, index: int, item: dict[str, Any], opened: bool) -> list[str]:
-        part = item["content"][0]
-        events = [] if opened else self._text_opening()
-        if not opened and part["text"]:
-            events.append(
+    def _open(self, item: dict[str, Any]) -> list[str]:
+        self._items.append(item)
+        return [self._event("response.output_item.added", output_index=len(self._items) - 1, item=item)]
+
+    def _open_message(self) -> list[str]:
+        item = _message_item(_message_id(), "", "in_progress")
+        events = self._open(item)
+        item["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+        return [*events, self._event(
+            "response.content_part.added", item_id=item["id"], output_index=len(self._items) - 1, content_index=0,
+            part=item["content"][0],
+        )]
+
+    def _add_text(self, piece: str) -> list[str]:
+        item = self._items[-1]
+        item["content"][0]["text"] += piece
+        return [self._event(
+            "response.output_text.delta", item_id=item["id"], output_index=len(self._items) - 1, content_index=0,
+            delta=piece, logprobs=[],
+        )]
+
+    def _close_item(self, status: str) -> list[str]:
+        """Close the open item (if any) with `status` (a call that is whole: `completed`)."""
+        if not self._items or self._items[-1]["status"] != "in_progress":
+            return []
+        item, index = self._items[-1], len(self._items) - 1
+        if item["type"] == "function_call":
+            item["status"] = "completed" if value_end(item["arguments"], 0) is not None else "incomplete"
+            return [
                 self._event(
-                    "response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
-                    delta=part["text"], logprobs=[],
-                )
-            )
+                    "response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                    name=item["name"], arguments=item["arguments"],
+                ),
+                self._event("response.output_item.done", output_index=index, item=item),
+            ]
+        item["status"] = status
+        part = item["content"][0]
         return [
-            *events,
             self._event(
                 "response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                 text=part["text"], logprobs=[],
             ),
             self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part),
-            self._event("response.output_item.done", output_index=index, item=item),
-        ]
-
-    def _call_events(self, index: int, item: dict[str, Any]) -> list[str]:
-        return [
-            self._event(
-                "response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}
-            ),
-            self._event(
-                "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]
-            ),
-            self._event(
-                "response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                name=item["name"], arguments=item["arguments"],
-            ),
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 

@@ -15,21 +15,24 @@ JSON and as user messages, so every template renders them.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from serve_app.engine.structured_output import StructuredOutput
 from serve_app.http.tools.plan import (
-    ParsedOutput,
+    CallSegment,
     Prompt,
+    Segment,
+    TextSegment,
     ToolCall,
     ToolCallFormat,
     ToolPlan,
     Turn,
     arguments_value,
     call_names,
-    new_call_id,
 )
+from serve_app.http.tools.scan import NAME, decode_name, string_so_far, value_end
 
 MAX_PARALLEL_CALLS = 4
 
@@ -77,20 +80,27 @@ class GenericFormat(ToolCallFormat):
         }
         return StructuredOutput(json={"anyOf": [with_calls, plain]}, param="tools")
 
-    def parse(self, text: str, id_prefix: str) -> ParsedOutput:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return ParsedOutput((), text)
-        if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-            calls = tuple(
-                ToolCall(new_call_id(id_prefix), call["name"], json.dumps(call["arguments"], ensure_ascii=False))
-                for call in value["tool_calls"]
-            )
-            return ParsedOutput(calls, None)
-        if isinstance(value, dict) and isinstance(value.get("response"), str):
-            return ParsedOutput((), value["response"])
-        return ParsedOutput((), text)
+    def segments(self, text: str, final: bool) -> list[Segment]:
+        if (answer := _ANSWER.match(text)) is not None:
+            return [TextSegment(string_so_far(text, answer.end()))]
+        if (calls := _CALLS.match(text)) is None:
+            return [TextSegment(text)] if final and text else []  # cut short before its first key
+        segments: list[Segment] = []
+        position = calls.end()
+        while (header := _CALL_HEADER.match(text, position)) is not None:
+            begin = header.end()
+            end = value_end(text, begin)
+            segments.append(CallSegment(decode_name(header.group("name")), text[begin:end], whole=end is not None))
+            if end is None:
+                break
+            position = _CALL_CLOSER.match(text, end).end()  # type: ignore[union-attr]  # it matches the empty string
+        return segments
+
+
+_ANSWER = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_CALLS = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[')
+_CALL_HEADER = re.compile(rf'\s*\{{\s*"name"\s*:\s*{NAME}\s*,\s*"arguments"\s*:\s*')
+_CALL_CLOSER = re.compile(r"\s*(?:\}\s*,?)?")
 
 
 def _system_prompt(plan: ToolPlan) -> str:

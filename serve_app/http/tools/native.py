@@ -9,10 +9,8 @@ enforces the format with xgrammar's structural tag for it, and the answer is rea
 
 from __future__ import annotations
 
-import json
 import re
-from abc import abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from serve_app.config import ToolFormat
@@ -22,23 +20,28 @@ from serve_app.engine.structured_output import (
     ToolCallGrammar,
 )
 from serve_app.http.tools.plan import (
-    ParsedOutput,
+    CallSegment,
     Prompt,
-    ToolCall,
+    Segment,
     ToolCallFormat,
     ToolPlan,
     Turn,
+    add_text,
     arguments_value,
     call_names,
-    new_call_id,
 )
+from serve_app.http.tools.scan import NAME, decode_name, held_back, value_end
 
 
 class _TemplateFormat(ToolCallFormat):
-    """What every template format shares: the prompt and the grammar; subclasses find the calls."""
+    """What every template format shares: the prompt, the grammar, and reading calls out of text
+    (text runs until one of `markers`; a call is `header`, its arguments' JSON value, `closer`)."""
 
     name: ToolFormat
-    arguments_key: str
+    markers: tuple[str, ...]
+    header: re.Pattern[str]  # from a marker to the arguments' value; the tool's name in group `name`
+    arguments_key: re.Pattern[str]  # the header's last key: a marker without it may still become a call
+    closer: re.Pattern[str]  # what follows the arguments' value
 
     def prompt(self, turns: Sequence[Turn], plan: ToolPlan | None) -> Prompt:
         names = call_names(turns)
@@ -66,57 +69,50 @@ class _TemplateFormat(ToolCallFormat):
         )
         return StructuredOutput(tool_calls=grammar, param="tools")
 
-    def parse(self, text: str, id_prefix: str) -> ParsedOutput:
-        calls, rest = [], []
+    def segments(self, text: str, final: bool) -> list[Segment]:
+        segments: list[Segment] = []
         position = 0
-        for start, end, value in self._calls(text):
-            if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
-                return ParsedOutput((), text)
-            arguments = value.get(self.arguments_key, {})
-            calls.append(ToolCall(new_call_id(id_prefix), value["name"], json.dumps(arguments, ensure_ascii=False)))
-            rest.append(text[position:start])
-            position = end
-        if not calls:
-            return ParsedOutput((), text)
-        rest.append(text[position:])
-        content = "".join(rest).strip(" \n;")
-        return ParsedOutput(tuple(calls), content or None)
+        while True:
+            start = self._next_marker(text, position)
+            if start is None:
+                rest = text[position:]
+                add_text(segments, rest if final else rest[: len(rest) - held_back(rest, self.markers)])
+                return segments
+            add_text(segments, text[position:start])
+            header = self.header.match(text, start)
+            if header is None:
+                if not final and self.arguments_key.search(text, start) is None:
+                    return segments  # may still become a call
+                add_text(segments, text[start])
+                position = start + 1
+                continue
+            begin = header.end()
+            end = value_end(text, begin)
+            name = decode_name(header.group("name"))
+            segments.append(CallSegment(name, text[begin:end], whole=end is not None))
+            if end is None:
+                return segments
+            closer = self.closer.match(text, end)
+            if closer is None and not final:
+                return segments
+            position = closer.end() if closer is not None else end
 
-    @abstractmethod
-    def _calls(self, text: str) -> Iterator[tuple[int, int, Any]]:
-        """(start, end, decoded JSON or None) of each call in `text`."""
+    def _next_marker(self, text: str, position: int) -> int | None:
+        found = [i for i in (text.find(m, position) for m in self.markers) if i >= 0]
+        return min(found, default=None)
 
 
 class HermesFormat(_TemplateFormat):
     name = "hermes"
-    arguments_key = "arguments"
-    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
-    def _calls(self, text: str) -> Iterator[tuple[int, int, Any]]:
-        for match in self._CALL.finditer(text):
-            yield match.start(), match.end(), _loads(match.group(1))
+    markers = ("<tool_call>",)
+    header = re.compile(rf'<tool_call>\s*\{{\s*"name"\s*:\s*{NAME}\s*,\s*"arguments"\s*:\s*')
+    arguments_key = re.compile(r'"arguments"\s*:')
+    closer = re.compile(r"\s*\}\s*</tool_call>")
 
 
 class Llama3JsonFormat(_TemplateFormat):
     name = "llama3_json"
-    arguments_key = "parameters"
-    _START = re.compile(r'(<\|python_tag\|>)?\{"name"')
-
-    def _calls(self, text: str) -> Iterator[tuple[int, int, Any]]:
-        decoder = json.JSONDecoder()
-        position = 0
-        while (match := self._START.search(text, position)) is not None:
-            begin = match.start() + len(match.group(1) or "")
-            try:
-                value, end = decoder.raw_decode(text, begin)
-            except json.JSONDecodeError:
-                return
-            yield match.start(), end, value
-            position = end
-
-
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
+    markers = ("<|python_tag|>", '{"name"')
+    header = re.compile(rf'(?:<\|python_tag\|>\s*)?\{{\s*"name"\s*:\s*{NAME}\s*,\s*"parameters"\s*:\s*')
+    arguments_key = re.compile(r'"parameters"\s*:')
+    closer = re.compile(r"\s*\}\s*;?")

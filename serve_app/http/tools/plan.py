@@ -1,6 +1,7 @@
 """What a request may call and how: the tools, the choice (`auto`, `required`, one named tool) and
 parallel calls, the conversation in a shape both APIs map onto (`Turn`), and the interface of a
-tool-call format (`ToolCallFormat`): how it prompts, what grammar it enforces, how it reads calls back."""
+tool-call format (`ToolCallFormat`): how it prompts, what grammar it enforces, how it reads an
+answer (finished or still being written) into text and calls."""
 
 from __future__ import annotations
 
@@ -53,6 +54,25 @@ class ParsedOutput:
 
     calls: tuple[ToolCall, ...]
     content: str | None
+
+
+@dataclass(frozen=True)
+class TextSegment:
+    """Text of an answer that is not a call."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallSegment:
+    """A call in an answer: its tool and its arguments' JSON text as far as it is written."""
+
+    name: str
+    arguments: str
+    whole: bool  # the arguments' value is closed
+
+
+Segment = TextSegment | CallSegment
 
 
 @dataclass(frozen=True)
@@ -124,5 +144,32 @@ class ToolCallFormat(ABC):
         """The grammar an answer under `plan` is decoded with."""
 
     @abstractmethod
+    def segments(self, text: str, final: bool) -> list[Segment]:
+        """An answer's text and calls in order, read off its text so far. Until `final`, text that may
+        still turn out to start a call is left out; each later reading extends the earlier one."""
+
     def parse(self, text: str, id_prefix: str) -> ParsedOutput:
-        """The calls and text of a finished answer; text that holds no whole call stays text."""
+        """The calls and text of a finished answer; an answer with a call that is not whole JSON is text."""
+        segments = self.segments(text, final=True)
+        content = "".join(s.text for s in segments if isinstance(s, TextSegment))
+        calls = [s for s in segments if isinstance(s, CallSegment)]
+        if not calls:
+            return ParsedOutput((), content)
+        try:
+            made = tuple(
+                ToolCall(new_call_id(id_prefix), c.name, json.dumps(json.loads(c.arguments), ensure_ascii=False))
+                for c in calls
+            )
+        except json.JSONDecodeError:
+            return ParsedOutput((), text)
+        return ParsedOutput(made, content.strip(" \n;") or None)
+
+
+def add_text(segments: list[Segment], text: str) -> None:
+    """Append `text` to a reading, joining it to text just before it."""
+    if not text:
+        return
+    if segments and isinstance(segments[-1], TextSegment):
+        segments[-1] = TextSegment(segments[-1].text + text)
+    else:
+        segments.append(TextSegment(text))
