@@ -27,7 +27,9 @@ from serve_app.kv.page_events import PageEventBatch
 
 logger = logging.getLogger(__name__)
 
+# How often the replica looks for news to report: page events and load changes go out then.
 REPORT_EVERY_S = 0.1
+# The other stats (token counts and the like) go out with a heartbeat at least this often.
 HEARTBEAT_S = 1.0
 
 
@@ -68,8 +70,9 @@ class EngineDeployment:
             raise RuntimeError("the engine reports itself unhealthy: its steps keep failing")
 
     async def _report_stats(self) -> None:
-        """Push stats and the prefix cache's page events to the board when they change, and at least
-        every HEARTBEAT_S (the board forgets a replica that falls silent)."""
+        """Push the prefix cache's page events and the load (running and waiting requests) to the board
+        when they change, everything else with a heartbeat every HEARTBEAT_S (the board forgets a
+        replica that falls silent). Every call to the board costs CPU the engine's steps need."""
         last: dict[str, int] | None = None
         pages = PageEventBatch()
         waited = HEARTBEAT_S
@@ -81,7 +84,7 @@ class EngineDeployment:
             except EngineProcessError:
                 return  # the health check fails this replica; the board forgets it when it falls silent
             pages = pages.followed_by(self.engine.take_page_events())
-            if stats == last and not pages and waited < HEARTBEAT_S:
+            if not pages and _load(stats) == _load(last) and waited < HEARTBEAT_S:
                 continue
             try:
                 lost_track = await self._board.report.remote(
@@ -101,3 +104,7 @@ class EngineDeployment:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _load(stats: dict[str, int] | None) -> tuple[int, int] | None:
+    return (stats["active_tasks"], stats["waiting_queue"]) if stats is not None else None

@@ -1,10 +1,11 @@
 """ReplicaBoard: where every engine replica reports its stats and the pages its prefix cache holds.
 The ingress sums the stats and reads readiness here; each ingress's request router follows the
-page directory (`page_changes`), so all of them route on the same view, and says what its decisions
-cost (`report_routing`)."""
+page directory (`page_changes`, which waits for news rather than being asked again and again), so
+all of them route on the same view, and says what its decisions cost (`report_routing`)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -18,11 +19,14 @@ STALE_AFTER_S = 3.0
 # The request routers' reports of their decisions' cost are kept this long after their last one.
 ROUTER_REPORTS_KEPT_S = 600.0
 NAME = "ReplicaBoard"
+# Calls at once: every router's waiting `page_changes`, the replicas' reports, the ingresses' reads.
+MAX_ONGOING_CALLS = 1024
 
 
 @serve.deployment(
     name=NAME,
     num_replicas=1,
+    max_ongoing_requests=MAX_ONGOING_CALLS,
     ray_actor_options={"num_cpus": 0},
     logging_config={"enable_access_log": False},
 )
@@ -32,8 +36,10 @@ class ReplicaBoard:
         self._model_info: Any = None
         self._pages = PageDirectory()
         self._routers: dict[str, tuple[float, dict[str, float]]] = {}  # router -> (when, decision costs)
+        self._news = asyncio.Event()  # set (and replaced) when the page directory changes
+        self._announced = 0
 
-    def report(
+    async def report(
         self,
         replica_id: str,
         place: dict[str, Any],
@@ -50,6 +56,7 @@ class ReplicaBoard:
         if not known and pages.snapshot is None:
             return True
         self._pages.publish(replica_id, pages, page_size)
+        self._tell_waiting_routers()
         return False
 
     def _live(self) -> list[dict[str, int]]:
@@ -57,6 +64,7 @@ class ReplicaBoard:
         for replica_id in [k for k, (at, _, _) in self._reports.items() if now - at >= STALE_AFTER_S]:
             del self._reports[replica_id]
             self._pages.forget(replica_id)
+            self._tell_waiting_routers()
         return [stats for _, _, stats in self._reports.values()]
 
     def summed(self) -> dict[str, int]:
@@ -87,7 +95,19 @@ class ReplicaBoard:
             del self._routers[router]
         return {router: costs for router, (_, costs) in self._routers.items()}
 
-    def page_changes(self, since: int) -> PageChanges:
-        """What the replicas' prefix caches gained and lost after `since` (see `PageDirectory.changes`)."""
+    async def page_changes(self, since: int, wait_s: float = 0.0) -> PageChanges:
+        """What the replicas' prefix caches gained and lost after `since` (see `PageDirectory.changes`);
+        with nothing new yet, first up to `wait_s` for something to happen."""
         self._live()
+        if since == self._pages.seq and wait_s > 0:
+            try:
+                await asyncio.wait_for(self._news.wait(), wait_s)
+            except TimeoutError:
+                self._live()
         return self._pages.changes(since)
+
+    def _tell_waiting_routers(self) -> None:
+        if self._pages.seq != self._announced:
+            self._announced = self._pages.seq
+            self._news.set()
+            self._news = asyncio.Event()

@@ -4,8 +4,8 @@ prompt's pages (the prefix cache's own chained hashes, with the tenant's cache s
 queues are imbalanced; KV calls (`LookupKV`, `RetrieveKV`, `StoreKV`) go where their prefix is.
 
 It learns what each replica holds by following the ReplicaBoard's page directory in the
-background while requests come (every ingress's router reads the same view; an idle router stops
-asking, and catches up on its next request) and by noting where it has just sent a prompt. It times
+background while requests come (every ingress's router reads the same view; each ask waits at the
+board for news, at most every `refresh_s`; an idle router stops asking, and catches up on its next request) and by noting where it has just sent a prompt. It times
 its own decisions and tells the board (`/stats/routing`). Nothing here blocks the router's event loop.
 """
 
@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 # A router that has routed nothing for this long stops following the board until its next request.
 IDLE_AFTER_S = 30.0
+# How long one ask for the page directory's changes waits for news.
+WAIT_FOR_CHANGES_S = 1.0
 # How often a router tells the board what its decisions cost (`/stats/routing`).
 REPORT_COSTS_S = 2.0
 # Page hashes kept for requests between their first ranking and their routing.
@@ -107,7 +109,7 @@ class PrefixAwareRouter(RequestRouter):
         while time.monotonic() - self._last_request < IDLE_AFTER_S:
             try:
                 index = self._routing.index
-                index.apply(await board.page_changes.remote(index.seq))
+                index.apply(await board.page_changes.remote(index.seq, WAIT_FOR_CHANGES_S))
                 if self._costs.decisions > self._reported_decisions and time.monotonic() - last_report >= REPORT_COSTS_S:
                     self._reported_decisions, last_report = self._costs.decisions, time.monotonic()
                     await board.report_routing.remote(self._name, self._costs.summary())

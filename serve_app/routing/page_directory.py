@@ -31,6 +31,11 @@ class PageDirectory:
         self.page_size: int | None = None
 
     @property
+    def seq(self) -> int:
+        """The number of the latest change."""
+        return self._seq
+
+    @property
     def replicas(self) -> list[str]:
         return list(self._pages)
 
