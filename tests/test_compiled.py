@@ -1,4 +1,4 @@
-"""The compiled forward (`compile: true`) on a tiny Llama: compiled at start for every shape class of
+"""The compiled forward (`compile: true`) on a tiny Llama, in fp32 and with int8 weights: compiled at start for every shape class of
 a step, the same logits as the eager forward, and no recompile while it serves batches of every
 kind (decodes, prefill chunks, prefix hits, sampling)."""
 
@@ -17,12 +17,12 @@ from serve_app.model.attention import step_context
 from serve_app.model.compiled import WARM_UP_SHAPES
 
 
-@pytest.fixture(scope="module")
-def compiled(tiny_llama_path: Path) -> Iterator[InferenceEngine]:
+@pytest.fixture(scope="module", params=["none", "int8"])
+def compiled(tiny_llama_path: Path, request: pytest.FixtureRequest) -> Iterator[InferenceEngine]:
     graphs = counters["stats"]["unique_graphs"]
     engine = InferenceEngine(
         model=str(tiny_llama_path), compile=True, cache_tokens=2048, max_model_len=512, max_num_batched_tokens=64,
-        max_num_seqs=8,
+        max_num_seqs=8, quantization=request.param,
     )
     assert counters["stats"]["unique_graphs"] - graphs == len(WARM_UP_SHAPES)  # all compiled before serving
     yield engine

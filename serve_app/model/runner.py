@@ -96,7 +96,7 @@ class ModelRunner:
         """Run the forward compiled from now on (compiled and warmed up here, into `storage`'s first pages)."""
         from serve_app.model.compiled import compile_forward
 
-        # Inductor's freezing passes fail on the int8 layers' product (`_int_mm`) with dynamic shapes.
+        # The int8 layers' weights are prepacked outside the graph, so freezing would have little left to fold.
         freezing = self.device.type == "cpu" and self._quantization == "none"
         self._forward = compile_forward(self.model, storage, self.decode_kernel, freezing)
 
