@@ -11,18 +11,17 @@ from serve_app import InferenceEngine
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.quant_bench import teacher_forced_agreement
-from serve_app.model.quantize import WIDE_LAYER, Int8Linear, quantize_int8
+from serve_app.model.quantize import Int8Linear, quantize_int8
 
 
-@pytest.mark.parametrize("outputs", [32, WIDE_LAYER + 1], ids=["projection", "lm-head-wide"])
-def test_an_int8_linear_is_close_to_its_float_layer(outputs: int) -> None:
+def test_an_int8_linear_is_close_to_its_float_layer() -> None:
     torch.manual_seed(0)
-    linear = torch.nn.Linear(64, outputs)
+    linear = torch.nn.Linear(64, 32)
     x = torch.randn(5, 3, 64)
     x[0, 0] *= 50  # one token's outliers must not set the others' scale
     with torch.inference_mode():
         expected, got = linear(x), Int8Linear(linear)(x)
-    assert got.shape == expected.shape == (5, 3, outputs)
+    assert got.shape == expected.shape == (5, 3, 32)
     error = (got - expected).abs().amax(dim=-1) / expected.abs().amax(dim=-1)
     assert float(error.max()) < 0.05, error
 
