@@ -38,12 +38,25 @@ def two_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
         deployments={"EngineDeployment": TWO_REPLICAS},
     )
     try:
-        deadline = time.monotonic() + 120  # /health answers once one replica is up; wait for both
-        while len(_replica_tasks(run)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
+        _until_the_ingress_routes_to_both(run)
         yield run
     finally:
         run.stop()
+
+
+def _until_the_ingress_routes_to_both(run: ServeRun) -> None:
+    """/health answers once one replica is up, and the ingress learns of the second from Serve's controller
+    a little after that replica reports to the board: send requests shorter than a page (no prefix to route
+    by) until both have taken one."""
+    client = openai_client(run.url)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        tasks = _replica_tasks(run)
+        if len(tasks) == 2 and all(count > 0 for count in tasks.values()):
+            return
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        time.sleep(0.2)
+    raise AssertionError(f"the ingress did not route to both replicas: {_replica_tasks(run)}")
 
 
 def _replica_tasks(run: ServeRun) -> dict[str, int]:
@@ -53,7 +66,7 @@ def _replica_tasks(run: ServeRun) -> dict[str, int]:
 
 def test_every_turn_of_a_conversation_finds_its_history_cached(two_engines: ServeRun) -> None:
     client = openai_client(two_engines.url)
-    assert len(_replica_tasks(two_engines)) == 2
+    before = _replica_tasks(two_engines)
 
     def converse(index: int) -> list[tuple[int, int]]:
         system = f"You are assistant number {index}. " + f"Conversation {index} is about topic {index * 7}. " * 12
@@ -71,8 +84,8 @@ def test_every_turn_of_a_conversation_finds_its_history_cached(two_engines: Serv
     for turns in conversations:
         for (previous_prompt, _), (_, cached) in zip(turns, turns[1:]):
             assert cached >= (previous_prompt - 1) // PAGE * PAGE, turns  # the whole earlier prompt, in pages
-    tasks = _replica_tasks(two_engines)
-    assert all(count > 0 for count in tasks.values()), tasks  # the conversations spread over both
+    tasks = {replica: count - before[replica] for replica, count in _replica_tasks(two_engines).items()}
+    assert len(tasks) == 2 and all(count > 0 for count in tasks.values()), tasks  # the conversations spread over both
 
 
 def test_the_choices_of_one_request_are_each_routed(two_engines: ServeRun) -> None:

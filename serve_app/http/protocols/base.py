@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,9 @@ def sse(data: Any, event: str | None = None) -> str:
     return f"event: {event}\ndata: {payload}\n\n" if event else f"data: {payload}\n\n"
 
 
+Answered = Callable[[], Awaitable[None]]
+
+
 class ResponseBuilder(ABC):
     """One API's request parsing and response shapes. Adding a protocol is one builder."""
 
@@ -137,9 +140,15 @@ class ProtocolHandler:
         self.observer = observer
 
     async def handle(
-        self, body: Any, cache_salt: Callable[[str], str] | None = None, limits: RequestLimits | None = None
+        self,
+        body: Any,
+        cache_salt: Callable[[str], str] | None = None,
+        limits: RequestLimits | None = None,
+        answered: Answered | None = None,
     ) -> Response:
-        """Answer one request, held to `limits`; `cache_salt` maps each client salt to the engine's."""
+        """Answer one request, held to `limits`; `cache_salt` maps each client salt to the engine's.
+        `answered` runs once the whole answer is built, before its last event or the response is sent
+        (a client that has the answer can rely on what `answered` did)."""
         try:
             if not await self.engine.ready():
                 raise ProtocolError("not_ready", "Engine not initialized")
@@ -161,7 +170,7 @@ class ProtocolHandler:
         for choice, first in zip(choices, firsts):
             choice.add(first)
         if prepared.stream:
-            events = self._events(prepared, streams, choices, firsts)
+            events = self._events(prepared, streams, choices, firsts, answered)
             return ClosingStreamingResponse(events, [lambda: self._finish(streams, choices)])
         try:
             await _drain(streams, choices)
@@ -170,7 +179,10 @@ class ProtocolHandler:
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
             return self.builder.error_response(ProtocolError("internal", failed.error or "generation failed"))
-        return JSONResponse(self.builder.format_response(prepared, choices))
+        response = self.builder.format_response(prepared, choices)
+        if answered is not None:
+            await answered()
+        return JSONResponse(response)
 
     async def _events(
         self,
@@ -178,6 +190,7 @@ class ProtocolHandler:
         streams: list[_TimedStream],
         choices: list[Choice],
         firsts: list[StreamDelta],
+        answered: Answered | None,
     ) -> AsyncIterator[str]:
         """The stream's events; its engine streams are closed by the response (`_finish`), however it ends."""
         builder = self.builder
@@ -191,7 +204,10 @@ class ProtocolHandler:
             choice.add(delta)
             for event in builder.format_chunk(prepared, choice, delta):
                 yield event
-        for event in builder.format_stream_end(prepared, choices):
+        end = builder.format_stream_end(prepared, choices)
+        if answered is not None:
+            await answered()
+        for event in end:
             yield event
 
     async def _finish(self, streams: Sequence[_TimedStream], choices: Sequence[Choice]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,11 +17,11 @@ from serve_app.http.protocols.anthropic import (
     MessagesBuilder,
     parse,
 )
-from serve_app.http.protocols.base import ProtocolHandler, ResponseBuilder
+from serve_app.http.protocols.base import Answered, ProtocolHandler, ResponseBuilder
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
 from serve_app.http.routes.answering import answers_in
-from serve_app.http.streaming import CleanUp, ClosingStreamingResponse
+from serve_app.http.streaming import ClosingStreamingResponse
 from serve_app.http.tenants import Tenant
 from serve_app.http.tools import format_for
 
@@ -44,28 +43,23 @@ def _generation(builder: ResponseBuilder) -> Callable[[Request], Awaitable[Respo
 
 
 async def generate(
-    context: ServerContext, tenant: Tenant, builder: ResponseBuilder, body: Any, after: CleanUp | None = None
+    context: ServerContext, tenant: Tenant, builder: ResponseBuilder, body: Any, answered: Answered | None = None
 ) -> Response:
-    """Run one request through `builder`, holding one of the tenant's slots until it is over; then `after`."""
+    """Run one request through `builder`, holding one of the tenant's slots until it is over; `answered` runs
+    once the answer is whole, before the client has all of it."""
     if not context.slots.try_take(tenant):
         limit = context.config.max_concurrent_per_tenant
         raise ProtocolError("rate_limit", f"over max_concurrent_per_tenant={limit} requests in flight")
     handler = ProtocolHandler(builder, context.engine, context.metrics)
     try:
-        response = await handler.handle(body, lambda salt: context.engine_salt(tenant, salt), context.limits)
+        response = await handler.handle(body, lambda salt: context.engine_salt(tenant, salt), context.limits, answered)
     except BaseException:
         context.slots.give_back(tenant)
         raise
     if isinstance(response, ClosingStreamingResponse):
         response.call_on_close(lambda: context.slots.give_back(tenant))
-        if after is not None:
-            response.call_on_close(after)
         return response
     context.slots.give_back(tenant)
-    if after is not None:
-        outcome = after()
-        if inspect.isawaitable(outcome):
-            await outcome
     return response
 
 

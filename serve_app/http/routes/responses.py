@@ -34,7 +34,7 @@ async def create_response(request: Request) -> Response:
         if keep and builder.finished is not None and context.config.max_stored_responses > 0:
             await context.responses.put(tenant.id, builder.finished)
 
-    return await generate(context, tenant, builder, body, after=store)
+    return await generate(context, tenant, builder, body, answered=store)
 
 
 @router.get("/v1/responses/{response_id}")
