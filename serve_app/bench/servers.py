@@ -36,6 +36,9 @@ SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0",
+    # An ingress that stops holds its port this long for a load balancer in front to let go of it (30 s by
+    # default); HAProxy on the same host retries a refused connection, and a run here stops in seconds.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
 
 # The ports HAProxy mode opens besides the app's own: each run takes free ones, so a run here
