@@ -107,23 +107,22 @@ def _wait_idle(url: str, timeout: float) -> tuple[float, bool]:
         return time.monotonic() - start, False
 
 
-def run_soak(clients: int, duration: float, rounds: int, max_tokens: int, deadline_s: float, workdir: Path) -> list[RoundReport]:
+def run_soak(
+    server: ServeRun, clients: int, duration: float, rounds: int, max_tokens: int, deadline_s: float
+) -> list[RoundReport]:
+    """`rounds` rounds of `clients` misbehaving clients against `server`, each followed by a wait for it to be idle."""
     reports: list[RoundReport] = []
-    server = ServeRun(workdir, args={"cache_tokens": 8192, "max_model_len": 2048})
-    try:
-        for number in range(1, rounds + 1):
-            outcomes = asyncio.run(_round(server.url, clients, duration, max_tokens, deadline_s))
-            idle_s, back = _wait_idle(server.url, timeout=60)
-            report = RoundReport(number, dict(outcomes), round(idle_s, 2), back, round(server.rss_mb(), 1))
-            allowed = {"completed", "hung up", "refused"}
-            report.problems = [f"{count} x {name}" for name, count in outcomes.items() if name not in allowed]
-            if not back:
-                report.problems.append("not idle with every KV page back within 60 s")
-            reports.append(report)
-            print(f"round {number}: {dict(outcomes)}; idle after {idle_s:.1f} s; pages back: {back}; "
-                  f"rss {report.rss_mb:.0f} MB", flush=True)
-    finally:
-        server.stop()
+    for number in range(1, rounds + 1):
+        outcomes = asyncio.run(_round(server.url, clients, duration, max_tokens, deadline_s))
+        idle_s, back = _wait_idle(server.url, timeout=60)
+        report = RoundReport(number, dict(outcomes), round(idle_s, 2), back, round(server.rss_mb(), 1))
+        allowed = {"completed", "hung up", "refused"}
+        report.problems = [f"{count} x {name}" for name, count in outcomes.items() if name not in allowed]
+        if not back:
+            report.problems.append("not idle with every KV page back within 60 s")
+        reports.append(report)
+        print(f"round {number}: {dict(outcomes)}; idle after {idle_s:.1f} s; pages back: {back}; "
+              f"rss {report.rss_mb:.0f} MB", flush=True)
     return reports
 
 
@@ -134,7 +133,11 @@ def memory_growth_mb(reports: list[RoundReport]) -> float:
 
 def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        reports = run_soak(args.clients, args.duration, args.rounds, args.max_tokens, args.deadline, Path(tmp))
+        server = ServeRun(Path(tmp), args={"cache_tokens": 8192, "max_model_len": 2048})
+        try:
+            reports = run_soak(server, args.clients, args.duration, args.rounds, args.max_tokens, args.deadline)
+        finally:
+            server.stop()
     growth = memory_growth_mb(reports)
     problems = [f"round {r.round}: {p}" for r in reports for p in r.problems]
     if growth > args.max_growth_mb:
