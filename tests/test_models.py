@@ -12,6 +12,7 @@ import torch
 
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.idle import wait_idle
+from serve_app.config import default_cache_dir
 from serve_app.model.loader import EMBEDDED_MODELS, prepare_embedded_model
 from tests.references import ReferenceModel
 
@@ -48,14 +49,14 @@ def test_qwen3_tiny_model_has_qk_norms(tiny_qwen3_path: Path) -> None:
     assert hasattr(model.model.layers[0].self_attn, "q_norm")
 
 
-def test_prepared_embedded_model_matches_transformers_gguf_load(tmp_path: Path, model_path: Path) -> None:
-    """A fresh conversion: the safetensors folder gives the logits of transformers' own GGUF load."""
+def test_prepared_embedded_model_matches_transformers_gguf_load(model_path: Path) -> None:
+    """The folder set-up converted (fresh on a new machine) gives the logits of transformers' own GGUF load."""
     from transformers import AutoModelForCausalLM
 
     spec = EMBEDDED_MODELS["smollm2-135m-instruct"]
-    folder = prepare_embedded_model(spec, tmp_path)
+    folder = prepare_embedded_model(spec, default_cache_dir())
+    assert folder == model_path  # done once, at set-up
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
-    assert prepare_embedded_model(spec, tmp_path) == folder  # done once
     ids = torch.tensor([[1, 4093, 198, 19556, 905, 30]])
     prepared = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     gguf = AutoModelForCausalLM.from_pretrained(
