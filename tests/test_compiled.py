@@ -52,7 +52,7 @@ def test_the_compiled_forward_gives_the_eager_logits(compiled: InferenceEngine) 
     ]
     for seed, (entries, keep) in enumerate(steps):
         eager = _logits(runner.model, compiled, entries, keep, seed)
-        ours = _logits(runner._forward, compiled, entries, keep, seed)
+        ours = _logits(runner.model_forward, compiled, entries, keep, seed)
         assert ours.shape == eager.shape == (1, len(keep), runner.vocab_size)
         torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
 

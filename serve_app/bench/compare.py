@@ -78,8 +78,13 @@ def worker(argv: list[str]) -> None:
     args.out.write_text(json.dumps({"rows": [asdict(r) for r in result.rows], "tokens": result.tokens}))
 
 
+def _is_llama(system: str) -> bool:
+    """llama-server on one of the GGUF files (`llama-server:<stem>`)."""
+    return system.startswith(f"{LLAMA}:")
+
+
 def _served(system: str) -> bool:
-    return system in SERVED or system.startswith(f"{LLAMA}:")
+    return system in SERVED or _is_llama(system)
 
 
 def plan_runs(systems: Sequence[str], concurrencies: Sequence[int]) -> list[tuple[str, list[int]]]:
@@ -116,14 +121,15 @@ def _run_worker(
 
 
 def _run_http(
-    system: str, prompts: list[list[int]], concurrency: list[int], args: argparse.Namespace, tmp: Path
+    system: str, prompts: list[list[int]], concurrency: list[int], args: argparse.Namespace, tmp: Path,
+    gguf: Path | None,
 ) -> list[BenchRow]:
     from serve_app.bench.servers import LlamaServer, ServeRun
     from serve_app.bench.systems import run_http
 
     print(f"starting {system} for concurrency {','.join(map(str, concurrency))} ...", flush=True)
-    if system.startswith(f"{LLAMA}:"):
-        server = LlamaServer(Path(args.llama_server), _gguf_of(system, args), tmp)
+    if gguf is not None:
+        server = LlamaServer(Path(args.llama_server), gguf, tmp)
     else:
         server = ServeRun(tmp, args={"max_model_len": 2048, **HTTP_SYSTEMS[system]}, timeout=1200)
     peak = [server.rss_mb()]
@@ -136,7 +142,7 @@ def _run_http(
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        api = "llama.cpp" if system.startswith(f"{LLAMA}:") else "openai"
+        api = "llama.cpp" if gguf is not None else "openai"
         rows = run_http(
             server.url, MODEL, prompts, concurrency, args.max_tokens, args.single_client_prompts, system=system, api=api
         )
@@ -157,11 +163,13 @@ def main(args: argparse.Namespace) -> None:
         sys.exit(f"serve-app bench compare: unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
     if args.device != "cpu" and any(s.startswith("http") or s == LLAMA for s in systems):
         sys.exit("serve-app bench compare: the HTTP systems and llama-server run on the CPU only; drop --device")
+    ggufs: dict[str, Path] = {}  # llama-server's systems, one per GGUF
     if LLAMA in systems:
         if not args.llama_server or not args.gguf:
             sys.exit("serve-app bench compare: llama-server needs --llama-server PATH and --gguf PATH")
+        ggufs = {f"{LLAMA}:{Path(g).stem}": Path(g) for g in args.gguf}
         at = systems.index(LLAMA)
-        systems[at : at + 1] = [f"{LLAMA}:{Path(g).stem}" for g in args.gguf]
+        systems[at : at + 1] = list(ggufs)
     model_path = resolve_model_path(MODEL, default_cache_dir())
     prompts = _token_prompts(model_path, args.prompts, args.seed)
     gflops = matmul_gflops()
@@ -173,8 +181,8 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as tmp:
         for system, concurrency in plan_runs(systems, args.concurrency):
             rate = matmul_gflops()
-            if system.startswith("http") or system.startswith(LLAMA):
-                run_rows = _run_http(system, prompts, concurrency, args, Path(tmp))
+            if system.startswith("http") or _is_llama(system):
+                run_rows = _run_http(system, prompts, concurrency, args, Path(tmp), ggufs.get(system))
             else:
                 subset = prompts[: args.sequential_prompts] if system == "hf-sequential" else prompts
                 run_rows, run_tokens = _run_worker(system, model_path, subset, concurrency, args, Path(tmp))
@@ -191,10 +199,6 @@ def main(args: argparse.Namespace) -> None:
 
         plot_rows(rows, args.plot, title=f"{args.prompts} prompts, {args.max_tokens} new tokens, greedy")
         print(f"plot written to {args.plot}")
-
-
-def _gguf_of(system: str, args: argparse.Namespace) -> Path:
-    return next(Path(g) for g in args.gguf if Path(g).stem == system.split(":", 1)[1])
 
 
 def _parameter_count(model_path: Path) -> int:
@@ -230,7 +234,7 @@ def _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args) -> dict:
                     row.ttft_p50_s / (1.2 * same.ttft_p50_s + 0.02), 3
                 )
     for ours in (r for r in rows if r.system in HTTP_SYSTEMS):
-        for peer in (r for r in rows if r.system.startswith(f"{LLAMA}:") and r.concurrency == ours.concurrency):
+        for peer in (r for r in rows if _is_llama(r.system) and r.concurrency == ours.concurrency):
             if peer.output_tok_s:
                 ratios[f"{ours.system}/{peer.system}@c={ours.concurrency}"] = round(ours.output_tok_s / peer.output_tok_s, 2)
     lines.append("")

@@ -88,7 +88,7 @@ class ModelRunner:
         self.decode_kernel = (
             load_decode_kernel(config.cache_dir, self.device, self.dtype) if config.decode_attention == "auto" else None
         )
-        self._forward: Callable[..., Any] = self.model
+        self.model_forward: Callable[..., Any] = self.model  # what a step runs: the model, or its compiled graph
         self._quantization = config.quantization
         logger.info("loaded %s on %s (%s, quantization %s)", self.path, self.device, self.dtype, config.quantization)
 
@@ -98,7 +98,7 @@ class ModelRunner:
 
         # The int8 layers' weights are prepacked outside the graph, so freezing would have little left to fold.
         freezing = self.device.type == "cpu" and self._quantization == "none"
-        self._forward = compile_forward(self.model, storage, self.decode_kernel, freezing)
+        self.model_forward = compile_forward(self.model, storage, self.decode_kernel, freezing)
 
     def activation_bytes(self, max_tokens: int, max_rows: int) -> int:
         """An upper estimate of one step's transient memory: a few hidden-sized and the MLP's
@@ -130,5 +130,5 @@ class ModelRunner:
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
         with step_context(view, self.decode_kernel):
-            output = self._forward(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
+            output = self.model_forward(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
         return output.logits[0].float()

@@ -296,8 +296,7 @@ class MessagesBuilder(ResponseBuilder):
             stop=list(req.stop_sequences or []),
             structured_output=req.output_constraint(tools, tool_plan),
         )
-        answering = tool_plan is not None
-        options = {"tools": tools if answering else None, "blocks": _BlockStream(tools) if answering else None}
+        options = {"blocks": _BlockStream(tools) if tool_plan is not None else None}  # a tool-mode answer's
         return PreparedRequest(requests=[request], stream=req.stream, model=req.model, options=options)
 
     def _message(self, prepared: PreparedRequest, content: list[dict[str, Any]], choice: Choice, final: bool) -> dict[str, Any]:
@@ -317,14 +316,15 @@ class MessagesBuilder(ResponseBuilder):
         start = self._message(prepared, [], choices[0], final=False)
         start["usage"]["output_tokens"] = 0
         events = [sse({"type": "message_start", "message": start}, "message_start")]
-        if not prepared.options["tools"]:  # a tool-mode answer opens its blocks as it reaches them
+        if prepared.options["blocks"] is None:  # a tool-mode answer opens its blocks as it reaches them
             events.append(_block_start(0, {"type": "text", "text": ""}))
         return [*events, sse({"type": "ping"}, "ping")]
 
     def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
-        if prepared.options["tools"]:
+        blocks: _BlockStream | None = prepared.options["blocks"]
+        if blocks is not None:
             final = delta.finish_reason is not None and delta.finish_reason != "error"
-            return prepared.options["blocks"].update(choice.text, final)
+            return blocks.update(choice.text, final)
         if not delta.text:
             return []
         return [
@@ -338,8 +338,8 @@ class MessagesBuilder(ResponseBuilder):
         choice = choices[0]
         if choice.finish_reason == "error":
             return [sse(self.format_error(ProtocolError("internal", choice.error or "generation failed")), "error")]
-        if prepared.options["tools"]:
-            blocks: _BlockStream = prepared.options["blocks"]
+        blocks: _BlockStream | None = prepared.options["blocks"]
+        if blocks is not None:
             events = blocks.close()
             stop_reason = "tool_use" if blocks.answer.called and choice.finish_reason == "stop" else _stop_reason(choice)
         else:
@@ -359,9 +359,10 @@ class MessagesBuilder(ResponseBuilder):
 
     def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
         choice = choices[0]
-        if not prepared.options["tools"]:
+        answer: _BlockStream | None = prepared.options["blocks"]
+        if answer is None:
             return self._message(prepared, [{"type": "text", "text": choice.text}], choice, final=True)
-        blocks, stop_reason = _tool_blocks(prepared.options["tools"], choice)
+        blocks, stop_reason = _tool_blocks(answer.answer.tools, choice)
         return {**self._message(prepared, blocks, choice, final=True), "stop_reason": stop_reason}
 
     def format_error(self, error: ProtocolError) -> dict[str, Any]:

@@ -282,6 +282,11 @@ def _call_item(call: ToolCall) -> dict[str, Any]:
     }
 
 
+def _status(choice: Choice) -> str:
+    """A finished choice's response status: cut short by `max_output_tokens`, or whole."""
+    return "incomplete" if choice.finish_reason == "length" else "completed"
+
+
 class ResponsesBuilder(ResponseBuilder):
     """`POST /v1/responses`, for one request (continuing `previous`, when given)."""
 
@@ -294,8 +299,7 @@ class ResponsesBuilder(ResponseBuilder):
         self._sequence = 0
         self._req: ResponsesRequest | None = None
         self._turns: list[Turn] = []
-        self._tools: ToolCallFormat | None = None
-        self._answer: ToolStream | None = None  # a tool-mode answer as it streams
+        self._answer: ToolStream | None = None  # a tool-mode answer (its format, and its events as it streams)
         self._items: list[dict[str, Any]] = []  # the output items streamed so far, the open one last
 
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
@@ -310,7 +314,6 @@ class ResponsesBuilder(ResponseBuilder):
             )
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         self._req, self._turns = req, req.turns(self.previous.turns if self.previous else ())
-        self._tools = tools if tool_plan is not None else None
         self._answer = ToolStream(tools, "call_") if tool_plan is not None else None
         system = [Turn("system", req.instructions)] if req.instructions else []
         prompt = tools.prompt([*system, *self._turns], tool_plan)
@@ -362,10 +365,10 @@ class ResponsesBuilder(ResponseBuilder):
 
     def _output(self, choice: Choice) -> tuple[str, list[dict[str, Any]]]:
         """(status, output items) of a finished choice."""
-        status = "incomplete" if choice.finish_reason == "length" else "completed"
-        if self._tools is None or status == "incomplete":
+        status = _status(choice)
+        if self._answer is None or status == "incomplete":
             return status, [_message_item(_message_id(), choice.text, status)]
-        parsed = self._tools.parse(choice.text, "call_")
+        parsed = self._answer.tools.parse(choice.text, "call_")
         items = [_message_item(_message_id(), parsed.content, status)] if parsed.content else []
         items += [_call_item(call) for call in parsed.calls]
         return status, items or [_message_item(_message_id(), "", status)]
@@ -391,7 +394,7 @@ class ResponsesBuilder(ResponseBuilder):
     def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
         started = self._response(prepared, "in_progress", [], None)
         events = [self._event("response.created", response=started), self._event("response.in_progress", response=started)]
-        if self._tools is None:
+        if self._answer is None:
             events += self._open_message()
         return events
 
@@ -423,7 +426,7 @@ class ResponsesBuilder(ResponseBuilder):
             failed = self._response(prepared, "failed", [], choice)
             failed["error"] = {"code": "server_error", "message": choice.error or "generation failed"}
             return [self._event("response.failed", response=failed)]
-        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        status = _status(choice)
         events = [] if self._items else self._open_message()
         events += self._close_item(status)
         response = self._finish(prepared, choice, status, self._items)
