@@ -11,6 +11,7 @@ from serve_app import InferenceEngine
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.quant_bench import teacher_forced_agreement
+from serve_app.model.fusion import GateUpMLP, fuse_gate_up
 from serve_app.model.quantize import Int8Linear, quantize_int8
 
 
@@ -24,6 +25,22 @@ def test_an_int8_linear_is_close_to_its_float_layer() -> None:
     assert got.shape == expected.shape == (5, 3, 32)
     error = (got - expected).abs().amax(dim=-1) / expected.abs().amax(dim=-1)
     assert float(error.max()) < 0.05, error
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_gate_and_up_projections_give_the_models_logits(family: str, request: pytest.FixtureRequest) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue(f"tiny_{family}_path")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 4093, 198, 19556, 905, 30, 17, 44]])
+    with torch.inference_mode():
+        expected = model(ids).logits
+        layers = model.config.num_hidden_layers
+        assert fuse_gate_up(model) == layers
+        assert sum(isinstance(m, GateUpMLP) for m in model.modules()) == layers
+        assert not any(hasattr(m, "gate_proj") for m in model.modules())
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_int8_engine_decodes_and_its_next_tokens_agree_with_fp32(engine: InferenceEngine, model_path: Path) -> None:

@@ -15,6 +15,7 @@ from serve_app.kv.storage import KVShape, Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import register_attention, step_context
 from serve_app.model.decode_kernel import load_decode_kernel
+from serve_app.model.fusion import fuse_gate_up
 from serve_app.model.loader import resolve_model_path
 from serve_app.model.quantize import quantize_int8
 from serve_app.model.tokenizer import Tokenizer
@@ -75,6 +76,7 @@ class ModelRunner:
         ).to(self.device)
         self.model.eval()
         if config.quantization == "int8":
+            fuse_gate_up(self.model)  # one int8 product for gate and up
             self.model = quantize_int8(self.model, self.device)
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         n_heads = text_config.num_attention_heads
