@@ -17,14 +17,11 @@ class GateUpMLP(torch.nn.Module):
     def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, down: torch.nn.Module, act: torch.nn.Module) -> None:
         super().__init__()
         self.intermediate = gate.out_features
-        bias = None if gate.bias is None else torch.cat([gate.bias, up.bias])
-        self.gate_up = torch.nn.Linear(gate.in_features, 2 * self.intermediate, bias=bias is not None)
-        self.gate_up.to(device=gate.weight.device, dtype=gate.weight.dtype)
-        with torch.no_grad():
-            self.gate_up.weight.copy_(torch.cat([gate.weight, up.weight]))
-            if bias is not None:
-                self.gate_up.bias.copy_(bias)
-        self.gate_up.requires_grad_(False)
+        # Made on the meta device (nothing allocated or initialized), then given the two layers' weights.
+        self.gate_up = torch.nn.Linear(gate.in_features, 2 * self.intermediate, bias=gate.bias is not None, device="meta")
+        self.gate_up.weight = torch.nn.Parameter(torch.cat([gate.weight, up.weight]), requires_grad=False)
+        if gate.bias is not None:
+            self.gate_up.bias = torch.nn.Parameter(torch.cat([gate.bias, up.bias]), requires_grad=False)
         self.down_proj = down
         self.act_fn = act
 
@@ -40,7 +37,6 @@ def _is_gated_mlp(module: torch.nn.Module) -> bool:
         and isinstance(gate, torch.nn.Linear) and isinstance(up, torch.nn.Linear)
         and gate.weight.shape == up.weight.shape and (gate.bias is None) == (up.bias is None)
     )
-
 
 
 def fuse_gate_up(model: torch.nn.Module) -> int:

@@ -359,10 +359,10 @@ class MessagesBuilder(ResponseBuilder):
 
     def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
         choice = choices[0]
-        answer: _BlockStream | None = prepared.options["blocks"]
-        if answer is None:
+        stream: _BlockStream | None = prepared.options["blocks"]
+        if stream is None:
             return self._message(prepared, [{"type": "text", "text": choice.text}], choice, final=True)
-        blocks, stop_reason = _tool_blocks(answer.answer.tools, choice)
+        blocks, stop_reason = _tool_blocks(stream.answer.tools, choice)
         return {**self._message(prepared, blocks, choice, final=True), "stop_reason": stop_reason}
 
     def format_error(self, error: ProtocolError) -> dict[str, Any]:
