@@ -207,7 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--system-words", type=int, default=300)
     live.add_argument("--user-words", type=int, default=120)
     live.add_argument("--max-tokens", type=int, default=32, help="new tokens per turn (EOS ignored)")
-    live.add_argument("--cache-tokens", type=int, default=32768, help="each replica's KV cache")
+    live.add_argument(
+        "--cache-tokens", type=int, default=32768, help="each routed replica's KV cache (the one replica has both's)"
+    )
     live.add_argument("--max-model-len", type=int, default=2048)
     simulated = route.add_argument_group("--simulate")
     simulated.add_argument("--replicas", type=_int_list, default=[2, 8, 64])

@@ -1,7 +1,7 @@
 """`serve-app bench route`: the prefix-aware router against Serve's default on live engine replicas.
 
 Three `serve run`s, one after another in one run, on the same workload: one engine replica that
-holds the whole workload (every core, each replica's cache size), then two replicas (one torch
+holds the whole workload (every core, and a cache as big as the two replicas' together), then two replicas (one torch
 thread each, as they share this machine's cores) routed by `deployments.router:PrefixAwareRouter`,
 then the same two routed by Serve's default power-of-two-choices router. The workload: tenants with
 API keys of their own, each with a long system prompt, and multi-turn chat conversations spread
@@ -96,12 +96,15 @@ class System:
         }
 
 
+REPLICAS = 2  # the routed systems'
+
+
 def systems() -> list[System]:
     ours = "deployments.router:PrefixAwareRouter"
     return [
-        System("one replica", 1, 2, ours),
-        System("prefix-aware router", 2, 1, ours),
-        System("Serve's default router", 2, 1, DEFAULT_ROUTER),
+        System("one replica", 1, REPLICAS, ours),
+        System("prefix-aware router", REPLICAS, 1, ours),
+        System("Serve's default router", REPLICAS, 1, DEFAULT_ROUTER),
     ]
 
 
@@ -220,7 +223,12 @@ def run_system(
         options["request_router_config"]["request_router_kwargs"] = router_kwargs
     run = ServeRun(
         folder,
-        args={**engine_args, "num_threads": system.threads, "api_keys_file": str(workload.keys_file(folder))},
+        args={
+            **engine_args,
+            "cache_tokens": engine_args["cache_tokens"] * REPLICAS // system.replicas,  # the same cache in all
+            "num_threads": system.threads,
+            "api_keys_file": str(workload.keys_file(folder)),
+        },
         deployments={"EngineDeployment": options},
         timeout=600,
     )
