@@ -1,9 +1,10 @@
 """`serve-app bench route`: the prefix-aware router against Serve's default on live engine replicas.
 
 Three `serve run`s, one after another in one run, on the same workload: one engine replica that
-holds the whole workload (every core, and a cache as big as the two replicas' together), then two replicas (one torch
-thread each, as they share this machine's cores) routed by `deployments.router:PrefixAwareRouter`,
-then the same two routed by Serve's default power-of-two-choices router. The workload: tenants with
+holds the whole workload (every core, and a cache as big as the two replicas' together), then two
+replicas (one torch thread each, as they share this machine's cores) routed by
+`deployments.router:PrefixAwareRouter`, then the same two routed by Serve's default
+power-of-two-choices router. The workload: tenants with
 API keys of their own, each with a long system prompt, and multi-turn chat conversations spread
 over them, arriving at `arrival_rate` per second, every turn sending the history so far (greedy, a
 fixed number of new tokens, the next turn after a pause to read). Reported per system: prompt

@@ -1,6 +1,6 @@
 """Fused projections: a gated MLP's gate and up projections (`down(act(gate(x)) * up(x))`, as the
-Llama, Qwen2 and Qwen3 MLPs compute it) become one linear layer of both weights, one matrix product
-where there were two. With int8 weights, where a product of one row costs little next to the call
+Llama, Qwen2, Qwen3 and Mistral MLPs compute it) become one linear layer of both weights, one matrix
+product where there were two. With int8 weights, where a product of one row costs little next to the call
 itself, this measured faster at one client; in fp32 it measured within noise, so only int8 uses it."""
 
 from __future__ import annotations
