@@ -44,8 +44,12 @@ serve: model
 test: model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# With LLAMA_SERVER=path/to/llama-server GGUF="a.gguf b.gguf", llama.cpp's server runs beside ours.
+LLAMA_SERVER ?=
+GGUF ?=
 bench: model
-	$(BIN)/serve-app bench compare --plot docs/bench-compare.png
+	$(BIN)/serve-app bench compare --plot docs/bench-compare.png \
+		$(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER) $(foreach g,$(GGUF),--gguf $(g)))
 
 # On a CUDA host: the greedy oracle there (float32 and bfloat16), then bench compare at bigger batches.
 gpu-check: model

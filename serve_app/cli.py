@@ -80,6 +80,13 @@ def _str_list(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
 
 
+def _quantization_list(text: str) -> list[str]:
+    kinds = _str_list(text)
+    if not kinds or any(kind not in ("int8", "fp8") for kind in kinds):
+        raise argparse.ArgumentTypeError(f"{text!r}: int8, fp8 or both, comma-separated")
+    return kinds
+
+
 def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
@@ -167,8 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", default=None)
     structured.set_defaults(func=_bench_structured)
 
-    quant = bench.add_parser("quant", help="int8 weights against fp32: greedy agreement, log-prob gap, tok/s")
+    quant = bench.add_parser(
+        "quant", help="quantized weights against the unquantized model: greedy agreement, log-prob gap, tok/s"
+    )
     quant.add_argument("--model", default=DEFAULT_MODEL)
+    quant.add_argument("--quantization", type=_quantization_list, default=["int8"], help="int8, fp8 or int8,fp8")
+    quant.add_argument("--device", default="cpu")
+    quant.add_argument("--dtype", default="float32", help="the unquantized model's dtype and the activations'")
     quant.add_argument("--prompts", type=int, default=64)
     quant.add_argument("--max-tokens", type=int, default=64)
     quant.add_argument("--concurrency", type=_int_list, default=[1, 64])
@@ -176,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--seed", type=int, default=0)
     quant.add_argument("--json", default=None)
     quant.set_defaults(func=_bench_quant)
-    gpu = bench.add_parser("gpu-check", help="on an accelerator: the greedy oracle per dtype, then bench compare there")
+    gpu = bench.add_parser(
+        "gpu-check", help="on an accelerator: the greedy oracle per dtype, bench compare, then int8 and fp8 weights there"
+    )
     gpu.add_argument("--model", default=DEFAULT_MODEL)
     gpu.add_argument("--device", default="cuda")
     gpu.add_argument("--dtypes", type=_str_list, default=["float32", "bfloat16"], help="the oracle's dtypes")
@@ -186,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--bench-max-tokens", type=int, default=64)
     gpu.add_argument("--bench-dtype", default="bfloat16")
     gpu.add_argument("--concurrency", type=_int_list, default=[1, 64, 256])
+    gpu.add_argument("--quantization", type=_quantization_list, default=["int8", "fp8"], help="quantized weights measured last, as bench quant")
     gpu.add_argument("--seed", type=int, default=0)
     gpu.add_argument("--json", default=None)
     gpu.set_defaults(func=_bench_gpu_check)

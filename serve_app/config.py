@@ -22,6 +22,8 @@ def default_cache_dir() -> Path:
 
 # How tools reach a model (`serve_app.model.tokenizer.template_tool_format` reads it off a chat template).
 ToolFormat = Literal["generic", "hermes", "llama3_json"]
+# A model's weights: `serve_app.model.quantization` applies it.
+Quantization = Literal["none", "int8", "fp8"]
 
 
 class _Strict(BaseModel):
@@ -51,8 +53,10 @@ class ModelConfig(_Strict):
     compile: bool = Field(
         False, description="torch.compile the forward (inductor, dynamic token counts), compiled and warmed up at start"
     )
-    quantization: Literal["none", "int8"] = Field(
-        "none", description="int8: every linear layer with int8 weights and dynamic int8 activations (CPU)"
+    quantization: Quantization = Field(
+        "none",
+        description="int8: every linear layer with int8 weights, on the CPU with dynamic int8 activations (fbgemm), "
+        "elsewhere weights only (torchao); fp8: fp8 weights only (torchao, for CUDA)",
     )
     cache_dir: Path = Field(default_factory=default_cache_dir)
 

@@ -1,4 +1,4 @@
-"""int8 weights (`quantization: int8`): every linear layer quantized, next tokens close to fp32's."""
+"""Quantized weights (`quantization: int8`, `fp8`): every linear layer quantized, next tokens close to fp32's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.quant_bench import teacher_forced_agreement
 from serve_app.model.fusion import GateUpMLP, fuse_gate_up
-from serve_app.model.quantize import Int8Linear, quantize_int8
+from serve_app.model.quantization import apply_quantization
+from serve_app.model.quantize import Int8Linear
+from serve_app.model.weight_only import quantize_weight_only
 
 
 def test_an_int8_linear_is_close_to_its_float_layer() -> None:
@@ -60,6 +62,50 @@ def test_the_int8_engine_decodes_and_its_next_tokens_agree_with_fp32(engine: Inf
     assert measured.mean_logprob_gap < 0.5, measured
 
 
-def test_int8_is_refused_off_the_cpu() -> None:
-    with pytest.raises(ValueError, match="quantization: int8 runs on CPU"):
-        quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.device("cuda"))
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_weight_only_layers_are_close_to_their_float_layers(kind: str) -> None:
+    from torchao.quantization import Float8Tensor, Int8Tensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32))
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        model[2].weight[5] = 0  # an all-zero row (a padding token's LM head row) must not give NaN
+        expected = model(x)
+        quantize_weight_only(model, kind)
+        got = model(x)
+    assert bool(got.isfinite().all()) and bool((got[:, 5] == expected[:, 5]).all())
+    assert all(type(model[i].weight) is (Int8Tensor if kind == "int8" else Float8Tensor) for i in (0, 2))
+    error = (got - expected).abs().amax(dim=-1) / expected.abs().amax(dim=-1)
+    assert float(error.max()) < (0.05 if kind == "int8" else 0.15), error
+
+
+def test_int8_on_the_cpu_is_fbgemm_and_fp8_is_weight_only(tiny_llama_path: Path) -> None:
+    from torchao.quantization import Float8Tensor
+    from transformers import AutoModelForCausalLM
+
+    def load() -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+
+    int8 = apply_quantization(load(), "int8", torch.device("cpu"))
+    assert any(isinstance(m, GateUpMLP) for m in int8.modules())
+    assert not [m for m in int8.modules() if type(m) is torch.nn.Linear]
+    fp8 = apply_quantization(load(), "fp8", torch.device("cpu"))
+    linears = [m for m in fp8.modules() if type(m) is torch.nn.Linear]
+    assert linears and all(type(m.weight) is Float8Tensor for m in linears)
+
+
+def test_the_fp8_engine_decodes_and_its_next_tokens_agree_with_fp32(engine: InferenceEngine, model_path: Path) -> None:
+    prompts = make_prompts(2, seed=5)
+    _, continuations = run_engine_bench(engine, prompts, 2, 12, return_tokens=True)
+    fp8 = InferenceEngine(model=str(model_path), quantization="fp8", cache_tokens=4096, max_model_len=2048)
+    try:
+        _, quantized = run_engine_bench(fp8, prompts, 2, 12, return_tokens=True)
+    finally:
+        fp8.shutdown()
+    assert [len(tokens) for tokens in quantized] == [12] * 2
+    sequences = [(engine.tokenizer.encode(p), c) for p, c in zip(prompts, continuations)]
+    measured = teacher_forced_agreement(str(model_path), sequences, "fp8")
+    assert (measured.quantization, measured.positions) == ("fp8", 2 * 12)
+    assert measured.same_token >= 0.75, measured
+    assert measured.mean_logprob_gap < 0.5, measured

@@ -6,6 +6,8 @@
    implementations may part where two logits tie within rounding, so the report gives how many
    prompts match whole and the share of tokens before the first difference.
 2. `bench compare` of the in-process systems on the device at bigger batches.
+3. `bench quant` there: int8 and fp8 weights (torchao, weights only) against the unquantized model
+   in the bench dtype, their teacher-forced agreement, log-prob gap and tok/s.
 The cache is sized as a server's would be there (`gpu_memory_utilization`).
 """
 
@@ -68,7 +70,7 @@ def _release(device: str) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from serve_app.bench import compare
+    from serve_app.bench import compare, quant_bench
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("serve-app bench gpu-check: CUDA is not available on this host (try --device cpu)")
@@ -81,6 +83,11 @@ def main(args: argparse.Namespace) -> None:
         systems=["engine", "hf-static", "hf-generate-batch"], concurrency=args.concurrency, prompts=args.bench_prompts,
         max_tokens=args.bench_max_tokens, sequential_prompts=8, single_client_prompts=16, seed=args.seed,
         device=args.device, dtype=args.bench_dtype, llama_server=None, gguf=[], json=None, plot=None,
+    ))
+    quant_bench.main(argparse.Namespace(
+        model=args.model, quantization=args.quantization, device=args.device, dtype=args.bench_dtype,
+        prompts=args.bench_prompts, max_tokens=args.bench_max_tokens, concurrency=args.concurrency, cache_tokens=None,
+        seed=args.seed, json=None,
     ))
     if args.json:
         with open(args.json, "w") as out:

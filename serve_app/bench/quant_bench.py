@@ -1,17 +1,19 @@
-"""`serve-app bench quant`: int8 weights (`quantization: int8`) against fp32, in one run on the same
-prompts.
+"""`serve-app bench quant`: quantized weights (`quantization: int8`, `fp8`) against the unquantized
+model, in one run on the same prompts, on one device and dtype (the CPU and float32 by default).
 
-Agreement, teacher-forced: the fp32 engine decodes every prompt greedily (EOS ignored); then the
-model's fp32 modules and the same modules quantized as the engine quantizes them read each prompt
-followed by that continuation, and at every continuation position we compare their most likely
-next token, and the int8 log-prob of fp32's token with fp32's own. Speed: output tok/s, TTFT and
-TPOT of the two engines at each concurrency, alternating, one engine in the process at a time.
+Agreement, teacher-forced: the unquantized engine decodes every prompt greedily (EOS ignored);
+then the model's modules and the same modules quantized as the engine quantizes them read each
+prompt followed by that continuation, and at every continuation position we compare their most
+likely next token, and the quantized log-prob of the unquantized model's token with its own.
+Speed: output tok/s, TTFT and TPOT of the engines at each concurrency, alternating, one engine in
+the process at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import statistics
 from collections.abc import Sequence
@@ -22,36 +24,45 @@ import torch
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, format_table
+from serve_app.config import Quantization
 from serve_app.engine.engine import InferenceEngine
-from serve_app.model.quantize import quantize_int8
+from serve_app.model.quantization import apply_quantization
 
 
 @dataclass(frozen=True)
 class Agreement:
+    quantization: str
     positions: int
-    same_token: float  # share of positions where int8's most likely next token is fp32's
-    mean_logprob_gap: float  # |int8 - fp32| log-prob of fp32's most likely token, averaged over positions
+    same_token: float  # share of positions where the quantized model's most likely next token is the base's
+    mean_logprob_gap: float  # |quantized - base| log-prob of the base's most likely token, averaged over positions
 
 
 @torch.inference_mode()
-def teacher_forced_agreement(model_path: str, sequences: Sequence[tuple[list[int], list[int]]]) -> Agreement:
-    """Agreement over (prompt ids, fp32 greedy continuation) pairs; the model loaded from `model_path`."""
+def teacher_forced_agreement(
+    model_path: str, sequences: Sequence[tuple[list[int], list[int]]], quantization: Quantization = "int8",
+    device: str = "cpu", dtype: str = "float32",
+) -> Agreement:
+    """Agreement over (prompt ids, greedy continuation) pairs; the model loaded from `model_path`."""
     from transformers import AutoModelForCausalLM
 
-    fp32 = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    int8 = quantize_int8(copy.deepcopy(fp32), torch.device("cpu"))
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+    quantized = apply_quantization(copy.deepcopy(base), quantization, torch.device(device))
     positions = same = 0
     gaps: list[float] = []
     for prompt, continuation in sequences:
-        ids = torch.tensor([prompt + continuation])
+        ids = torch.tensor([prompt + continuation], device=device)
         window = slice(len(prompt) - 1, ids.shape[1] - 1)  # the positions that predict the continuation
-        reference = fp32(ids).logits[0, window].log_softmax(-1)
-        quantized = int8(ids).logits[0, window].log_softmax(-1)
+        reference = base(ids).logits[0, window].float().log_softmax(-1)
+        candidate = quantized(ids).logits[0, window].float().log_softmax(-1)
         best = reference.argmax(-1, keepdim=True)
         positions += best.shape[0]
-        same += int((quantized.argmax(-1, keepdim=True) == best).sum())
-        gaps.extend((quantized.gather(1, best) - reference.gather(1, best)).abs().flatten().tolist())
-    return Agreement(positions, round(same / max(1, positions), 4), round(statistics.fmean(gaps), 4) if gaps else 0.0)
+        same += int((candidate.argmax(-1, keepdim=True) == best).sum())
+        gaps.extend((candidate.gather(1, best) - reference.gather(1, best)).abs().flatten().tolist())
+    del base, quantized
+    gc.collect()
+    return Agreement(
+        quantization, positions, round(same / max(1, positions), 4), round(statistics.fmean(gaps), 4) if gaps else 0.0
+    )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -59,12 +70,16 @@ def main(args: argparse.Namespace) -> None:
     sequences: list[tuple[list[int], list[int]]] = []
     rows: list[BenchRow] = []
     model_path = args.model
+    placement = {"device": args.device, "dtype": args.dtype}
     for concurrency in args.concurrency:
-        for label, quantization in (("fp32", "none"), ("int8", "int8")):
+        for quantization in ("none", *args.quantization):
+            label = args.dtype if quantization == "none" else quantization
             # One engine at a time: two scheduler threads in one process would fight over the cores.
-            engine = InferenceEngine(model=args.model, quantization=quantization, cache_tokens=args.cache_tokens)
+            engine = InferenceEngine(
+                model=args.model, quantization=quantization, cache_tokens=args.cache_tokens, **placement
+            )
             try:
-                if label == "fp32" and not sequences:
+                if quantization == "none" and not sequences:
                     _, continuations = run_engine_bench(engine, prompts, 64, args.max_tokens, system=label, return_tokens=True)
                     sequences = [(engine.tokenizer.encode(p), c) for p, c in zip(prompts, continuations)]
                     model_path = str(engine.runner.path)
@@ -72,13 +87,18 @@ def main(args: argparse.Namespace) -> None:
                 rows.append(run_engine_bench(engine, prompts, concurrency, args.max_tokens, system=label))
             finally:
                 engine.shutdown()
-    measured = teacher_forced_agreement(model_path, sequences)
+                gc.collect()
+    measured = [teacher_forced_agreement(model_path, sequences, q, **placement) for q in args.quantization]
     print(format_table(rows))
-    print(f"int8 against fp32, teacher-forced over {measured.positions} positions: same next token "
-          f"{measured.same_token:.3f}, mean log-prob gap {measured.mean_logprob_gap:.4f}")
+    for agreement in measured:
+        print(f"{agreement.quantization} against {args.dtype}, teacher-forced over {agreement.positions} positions: "
+              f"same next token {agreement.same_token:.3f}, mean log-prob gap {agreement.mean_logprob_gap:.4f}")
     for concurrency in args.concurrency:
-        base, quantized = (next(r for r in rows if r.system == s and r.concurrency == concurrency) for s in ("fp32", "int8"))
-        print(f"output tok/s, int8 / fp32 at concurrency {concurrency}: {quantized.output_tok_s / base.output_tok_s:.2f}")
+        base = next(r for r in rows if r.system == args.dtype and r.concurrency == concurrency)
+        for quantization in args.quantization:
+            row = next(r for r in rows if r.system == quantization and r.concurrency == concurrency)
+            print(f"output tok/s, {quantization} / {args.dtype} at concurrency {concurrency}: "
+                  f"{row.output_tok_s / base.output_tok_s:.2f}")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"rows": [r.as_dict() for r in rows], "agreement": asdict(measured)}, out, indent=2)
+            json.dump({"rows": [r.as_dict() for r in rows], "agreement": [asdict(a) for a in measured]}, out, indent=2)

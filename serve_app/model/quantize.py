@@ -3,8 +3,8 @@ head) replaced by `Int8Linear`: weights quantized to int8 once at load, per outp
 prepacked for torch's own dynamically quantized linear (fbgemm), which quantizes the activations
 at each step. So that one token's outliers set no other token's scale in a packed batch, each row
 is first divided by its own scale (its largest magnitude over 127), which leaves every row spanning
-the same int8 range, and the product is multiplied back by it. CPU only: on CUDA this needs
-`torchao`, which the project does not install.
+the same int8 range, and the product is multiplied back by it. CPU only (fbgemm): off the CPU,
+`quantization: int8` is int8 weights alone, through torchao (`weight_only.py`).
 
 The product is a custom op (`serve_app::int8_linear`) over a registry of the prepacked weights, so
 that `torch.compile` treats it as one opaque call, as it does the attention."""
@@ -58,10 +58,8 @@ class Int8Linear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def quantize_int8(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`model` with every linear layer an `Int8Linear` (in place)."""
-    if device.type != "cpu":
-        raise ValueError(f"quantization: int8 runs on CPU; {device} would need torchao's int8 kernels")
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` (on the CPU) with every linear layer an `Int8Linear` (in place)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:

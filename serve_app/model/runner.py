@@ -15,9 +15,8 @@ from serve_app.kv.storage import KVShape, Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import register_attention, step_context
 from serve_app.model.decode_kernel import load_decode_kernel
-from serve_app.model.fusion import fuse_gate_up
 from serve_app.model.loader import resolve_model_path
-from serve_app.model.quantize import quantize_int8
+from serve_app.model.quantization import apply_quantization
 from serve_app.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,9 +74,7 @@ class ModelRunner:
             self.path, dtype=self.dtype, attn_implementation=register_attention()
         ).to(self.device)
         self.model.eval()
-        if config.quantization == "int8":
-            fuse_gate_up(self.model)  # one int8 product for gate and up
-            self.model = quantize_int8(self.model, self.device)
+        self.model = apply_quantization(self.model, config.quantization, self.device)
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         n_heads = text_config.num_attention_heads
         self.kv_shape = KVShape(
@@ -98,7 +95,8 @@ class ModelRunner:
         """Run the forward compiled from now on (compiled and warmed up here, into `storage`'s first pages)."""
         from serve_app.model.compiled import compile_forward
 
-        # The int8 layers' weights are prepacked outside the graph, so freezing would have little left to fold.
+        # Quantized weights are prepacked outside the graph (int8 on the CPU) or torchao tensor subclasses,
+        # so only the float model freezes.
         freezing = self.device.type == "cpu" and self._quantization == "none"
         self.model_forward = compile_forward(self.model, storage, self.decode_kernel, freezing)
 
