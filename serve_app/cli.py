@@ -200,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--bench-max-tokens", type=int, default=64)
     gpu.add_argument("--bench-dtype", default="bfloat16")
     gpu.add_argument("--concurrency", type=_int_list, default=[1, 64, 256])
-    gpu.add_argument("--quantization", type=_quantization_list, default=["int8", "fp8"], help="quantized weights measured last, as bench quant")
+    gpu.add_argument(
+        "--quantization", type=_quantization_list, default=["int8", "fp8"], help="weights measured last, as bench quant"
+    )
     gpu.add_argument("--seed", type=int, default=0)
     gpu.add_argument("--json", default=None)
     gpu.set_defaults(func=_bench_gpu_check)

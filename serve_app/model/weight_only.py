@@ -25,12 +25,14 @@ def quantize_weight_only(model: torch.nn.Module, kind: WeightOnlyKind) -> torch.
         quantize_,
     )
 
-    linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    def is_linear(module: torch.nn.Module) -> bool:
+        return type(module) is torch.nn.Linear
+
     if kind == "int8":
         # torchao's recommended inductor settings are process-wide; the compiled forward keeps its own.
-        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda m, _: m in linears)
+        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda m, _: is_linear(m))
         return model
-    for linear in linears:
+    for linear in filter(is_linear, list(model.modules())):
         weight = Float8Tensor.from_hp(linear.weight.detach(), granularity=PerRow(), hp_value_lb=FP8_MAGNITUDE_FLOOR)
         linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     return model
