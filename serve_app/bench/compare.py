@@ -188,6 +188,7 @@ def main(args: argparse.Namespace) -> None:
                 run_rows, run_tokens = _run_worker(system, model_path, subset, concurrency, args, Path(tmp))
                 if len(run_tokens) >= len(tokens.get(system, [])):
                     tokens[system] = run_tokens
+            print(format_table(run_rows), flush=True)  # as it comes: a run cut short still shows what it measured
             rows += run_rows
             host_gflops += [rate] * len(run_rows)
     report = _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args)
