@@ -3,7 +3,9 @@ attention an opaque custom op (`serve_app::paged_attention`), token counts dynam
 
 Compiling happens at start, on the shapes a step can take (dynamo gives sizes 0 and 1 graphs of
 their own: one decode row; one prefill chunk sampling one row; several rows), so that no request
-waits for a compile, and steady state recompiles nothing.
+waits for a compile, and steady state recompiles nothing. Every step's shape then has its graph, so
+steps check only the guards that tell those graphs apart (dynamo's `skip_guard_eval_unsafe`): the
+model's full guard set took about 1 ms a step, 3% of an int8 decode step at one client.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,10 +29,10 @@ WARM_UP_SHAPES = ((1, 1), (5, 1), (7, 3))
 
 def compile_forward(
     model: torch.nn.Module, storage: Storage, decode_kernel: Callable | None, freezing: bool
-) -> torch.nn.Module:
-    """The compiled model, already run (into the cache's first pages, before anything is cached) on every
-    shape class of a step. With `freezing` the weights become constants of the graph: folded, and
-    prepacked for the CPU's matrix multiply."""
+) -> Callable[..., Any]:
+    """The compiled model's forward, already run (into the cache's first pages, before anything is
+    cached) on every shape class of a step. With `freezing` the weights become constants of the
+    graph: folded, and prepacked for the CPU's matrix multiply."""
     options = {"freezing": True} if freezing else {}
     compiled = torch.compile(model, dynamic=True, fullgraph=True, options=options)
     started = time.perf_counter()
@@ -37,7 +40,12 @@ def compile_forward(
     for tokens, rows in WARM_UP_SHAPES:
         run_dummy_step(compiled, storage, decode_kernel, tokens, rows)
     logger.info("compiled the forward in %.1f s", time.perf_counter() - started)
-    return compiled
+
+    def forward(**inputs: Any) -> Any:
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return compiled(**inputs)
+
+    return forward
 
 
 @torch.inference_mode()
