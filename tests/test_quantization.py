@@ -63,17 +63,17 @@ def test_weight_only_layers_are_close_to_their_float_layers(kind: str) -> None:
     assert float(error.max()) < (0.05 if kind == "int8" else 0.15), error
 
 
-def test_int8_on_the_cpu_is_fbgemm_and_fp8_is_weight_only(tiny_llama_path: Path) -> None:
+def test_int8_on_the_cpu_is_fbgemm_and_fp8_is_weight_only(tiny_llama_path: Path, tmp_path: Path) -> None:
     from torchao.quantization import Float8Tensor
     from transformers import AutoModelForCausalLM
 
     def load() -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
 
-    int8 = apply_quantization(load(), "int8", torch.device("cpu"))
+    int8 = apply_quantization(load(), "int8", torch.device("cpu"), tmp_path)
     assert any(isinstance(m, GateUpMLP) for m in int8.modules())
     assert not [m for m in int8.modules() if type(m) is torch.nn.Linear]
-    fp8 = apply_quantization(load(), "fp8", torch.device("cpu"))
+    fp8 = apply_quantization(load(), "fp8", torch.device("cpu"), tmp_path)
     linears = [m for m in fp8.modules() if type(m) is torch.nn.Linear]
     assert linears and all(type(m.weight) is Float8Tensor for m in linears)
 

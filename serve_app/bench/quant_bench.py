@@ -24,7 +24,7 @@ import torch
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, format_table
-from serve_app.config import Quantization
+from serve_app.config import Quantization, default_cache_dir
 from serve_app.engine.engine import InferenceEngine
 from serve_app.model.quantization import apply_quantization
 
@@ -35,25 +35,31 @@ class Agreement:
     positions: int
     same_token: float  # share of positions where the quantized model's most likely next token is the base's
     mean_logprob_gap: float  # |quantized - base| log-prob of the base's most likely token, averaged over positions
+    one_row: bool = False  # the quantized model read the continuation one token a step, as one client decodes
 
 
 @torch.inference_mode()
 def teacher_forced_agreement(
     model_path: str, sequences: Sequence[tuple[list[int], list[int]]], quantization: Quantization = "int8",
-    device: str = "cpu", dtype: str = "float32",
+    device: str = "cpu", dtype: str = "float32", one_row: bool = False,
 ) -> Agreement:
-    """Agreement over (prompt ids, greedy continuation) pairs; the model loaded from `model_path`."""
+    """Agreement over (prompt ids, greedy continuation) pairs; the model loaded from `model_path`.
+
+    The quantized model reads each whole sequence in one forward (several rows a product, as a
+    batch decodes), or with `one_row` its continuation a token at a time over its own cache (one
+    row a product, as a single sequence decodes: int8 on the CPU runs another kernel there)."""
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
-    quantized = apply_quantization(copy.deepcopy(base), quantization, torch.device(device))
+    quantized = apply_quantization(copy.deepcopy(base), quantization, torch.device(device), default_cache_dir())
     positions = same = 0
     gaps: list[float] = []
     for prompt, continuation in sequences:
         ids = torch.tensor([prompt + continuation], device=device)
         window = slice(len(prompt) - 1, ids.shape[1] - 1)  # the positions that predict the continuation
         reference = base(ids).logits[0, window].float().log_softmax(-1)
-        candidate = quantized(ids).logits[0, window].float().log_softmax(-1)
+        logits = _one_row_logits(quantized, ids, window.start) if one_row else quantized(ids).logits[0, window]
+        candidate = logits.float().log_softmax(-1)
         best = reference.argmax(-1, keepdim=True)
         positions += best.shape[0]
         same += int((candidate.argmax(-1, keepdim=True) == best).sum())
@@ -61,8 +67,21 @@ def teacher_forced_agreement(
     del base, quantized
     gc.collect()
     return Agreement(
-        quantization, positions, round(same / max(1, positions), 4), round(statistics.fmean(gaps), 4) if gaps else 0.0
+        quantization, positions, round(same / max(1, positions), 4), round(statistics.fmean(gaps), 4) if gaps else 0.0,
+        one_row,
     )
+
+
+def _one_row_logits(model: torch.nn.Module, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """The logits at positions `first ..` of `ids` [1, T], each from a forward of that one token over
+    the cache of the tokens before it."""
+    cache = model(ids[:, :first], use_cache=True).cache
+    logits = []
+    for position in range(first, ids.shape[1] - 1):
+        output = model(ids[:, position : position + 1], cache=cache, use_cache=True)
+        cache = output.cache
+        logits.append(output.logits[0, -1])
+    return torch.stack(logits)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -89,9 +108,12 @@ def main(args: argparse.Namespace) -> None:
                 engine.shutdown()
                 gc.collect()
     measured = [teacher_forced_agreement(model_path, sequences, q, **placement) for q in args.quantization]
+    if "int8" in args.quantization and args.device == "cpu":  # int8 on the CPU has a kernel of its own at one row
+        measured.append(teacher_forced_agreement(model_path, sequences, "int8", **placement, one_row=True))
     print(format_table(rows))
     for agreement in measured:
-        print(f"{agreement.quantization} against {args.dtype}, teacher-forced over {agreement.positions} positions: "
+        reading = "one token a step" if agreement.one_row else "whole sequences"
+        print(f"{agreement.quantization} against {args.dtype}, teacher-forced ({reading}) over {agreement.positions} positions: "
               f"same next token {agreement.same_token:.3f}, mean log-prob gap {agreement.mean_logprob_gap:.4f}")
     for concurrency in args.concurrency:
         base = next(r for r in rows if r.system == args.dtype and r.concurrency == concurrency)

@@ -1,44 +1,33 @@
-"""The paged decode-attention kernel: `paged_decode.c`, built once per machine and called through ctypes.
+"""The paged decode-attention kernel: `paged_decode.c`, built once per machine (`native.py`) and
+called through ctypes.
 
 On CPU with float32 the decode rows of a step attend straight from the cache's pages. The
 torch path instead gathers every decode group's context into a padded copy, per layer, and
 runs SDPA over it; at 128 sequences that copy and the padding cost most of the attention time.
-The library is compiled with the system's C compiler (`$CC`, else `cc`) into
-`<cache_dir>/kernels/`, keyed by the source, the flags, the compiler and the CPU, so a shared
-cache directory never hands one CPU a build made for another. Where it cannot be built (no
-compiler), or on CUDA, or for other dtypes, the torch path runs.
+Where it cannot be built (no compiler), or on CUDA, or for other dtypes, the torch path runs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from serve_app.model.native import KernelBuildError, build_library
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-
-
-class KernelBuildError(RuntimeError):
-    """The kernel could not be compiled or loaded on this machine."""
 
 
 class DecodeKernel:
     """Calls `paged_decode_attention` on torch tensors (CPU, float32)."""
 
-    def __init__(self, library: Path) -> None:
+    def __init__(self, library: Path, loaded: ctypes.CDLL) -> None:
         self.library = library
-        function = ctypes.CDLL(str(library)).paged_decode_attention
+        function = loaded.paged_decode_attention
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         function.argtypes = [pointer] * 6 + [size] * 6 + [ctypes.c_float, ctypes.c_int]
         function.restype = ctypes.c_int
@@ -82,50 +71,9 @@ class DecodeKernel:
         return out
 
 
-def _compiler() -> str:
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise KernelBuildError(f"no C compiler: {compiler!r} is not on PATH")
-    return compiler
-
-
-def _build_key(compiler: str) -> str:
-    """A digest of everything the binary depends on: source, flags, compiler and CPU."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    cpu = platform.machine()
-    if Path("/proc/cpuinfo").is_file():
-        cpu += next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), cpu.encode()):
-        digest.update(part)
-    return digest.hexdigest()[:16]
-
-
 def build_decode_kernel(cache_dir: Path) -> DecodeKernel:
     """Compile the kernel into `cache_dir/kernels` unless already there, and load it."""
-    compiler = _compiler()
-    target = Path(cache_dir) / "kernels" / f"paged_decode-{_build_key(compiler)}.so"
-    if not target.is_file():
-        try:
-            _compile(compiler, target)
-        except OSError as error:  # e.g. a read-only cache directory
-            raise KernelBuildError(f"cannot build into {target.parent}: {error}") from error
-    try:
-        return DecodeKernel(target)
-    except OSError as error:
-        raise KernelBuildError(f"cannot load {target}: {error}") from error
-
-
-def _compile(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True, check=False
-        )
-        if result.returncode != 0:
-            raise KernelBuildError(f"{compiler} failed to build {SOURCE.name}:\n{result.stderr.strip()}")
-        os.replace(built, target)  # atomic: concurrent builders each install a whole file
+    return DecodeKernel(*build_library(SOURCE, cache_dir))
 
 
 def load_decode_kernel(cache_dir: Path, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:

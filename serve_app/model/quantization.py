@@ -1,30 +1,35 @@
 """A loaded model's weights as `quantization` asks: `none` leaves them; `int8` on the CPU is int8
-weights with dynamic int8 activations on torch's fbgemm product (`quantize.py`, a gated MLP's gate
-and up projections fused first, `fusion.py`), off the CPU int8 weights only (`weight_only.py`);
+weights with dynamic int8 activations on torch's fbgemm product, and at one row on the engine's own
+kernel built into `kernel_dir` (`quantize.py`, a gated MLP's gate and up projections fused first,
+`fusion.py`), off the CPU int8 weights only (`weight_only.py`);
 `fp8` is fp8 weights only on any device (torchao's kernels are CUDA's; on the CPU each step
 dequantizes every weight, many times slower than float32)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from serve_app.config import Quantization
 from serve_app.model.fusion import fuse_gate_up
+from serve_app.model.int8_gemv import load_int8_gemv
 from serve_app.model.quantize import quantize_int8
 from serve_app.model.weight_only import quantize_weight_only
 
 logger = logging.getLogger(__name__)
 
 
-def apply_quantization(model: torch.nn.Module, quantization: Quantization, device: torch.device) -> torch.nn.Module:
+def apply_quantization(
+    model: torch.nn.Module, quantization: Quantization, device: torch.device, kernel_dir: Path
+) -> torch.nn.Module:
     """`model` (already on `device`) with its linear layers quantized as `quantization` says."""
     if quantization == "none":
         return model
     if quantization == "int8" and device.type == "cpu":
         fuse_gate_up(model)  # one int8 product for gate and up
-        return quantize_int8(model)
+        return quantize_int8(model, load_int8_gemv(kernel_dir))
     if device.type == "cpu":
         logger.warning("quantization: fp8 on the CPU dequantizes every weight at every step, many times slower "
                        "than float32; int8 is the CPU's fast path")

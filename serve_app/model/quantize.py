@@ -6,8 +6,14 @@ is first divided by its own scale (its largest magnitude over 127), which leaves
 the same int8 range, and the product is multiplied back by it. CPU only (fbgemm): off the CPU,
 `quantization: int8` is int8 weights alone, through torchao (`weight_only.py`).
 
-The product is a custom op (`serve_app::int8_linear`) over a registry of the prepacked weights, so
-that `torch.compile` treats it as one opaque call, as it does the attention."""
+A step of one row (one sequence decoding) runs the layers on `int8_gemv.c` instead, where the
+kernel builds: the row quantized at its own scale, the int8 weights read once, without fbgemm's
+fixed cost per call, which at one row is most of a layer's time. It keeps its own copy of the int8
+weights (unpacked), so int8 holds its weights twice on the CPU.
+
+Both products are custom ops (`serve_app::int8_linear`, `serve_app::int8_gemv`) over registries of
+the layers' weights, so that `torch.compile` treats each as one opaque call, as it does the
+attention."""
 
 from __future__ import annotations
 
@@ -17,9 +23,12 @@ import weakref
 
 import torch
 
+from serve_app.model.int8_gemv import Int8Gemv, RowWeights
+
 INT8_MAX = 127.0
 
 _PACKED: dict[int, tuple[torch.ScriptObject, int]] = {}  # weight id -> (prepacked weight, out features)
+_ROWS: dict[int, tuple[Int8Gemv, RowWeights]] = {}  # weight id -> (one-row kernel, its weights)
 _ids = itertools.count()
 
 
@@ -34,8 +43,20 @@ def _(rows: torch.Tensor, weight_id: int) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], _PACKED[weight_id][1])
 
 
+@torch.library.custom_op("serve_app::int8_gemv", mutates_args=())
+def int8_gemv(row: torch.Tensor, weight_id: int) -> torch.Tensor:
+    """`row` [1, in] (fp32) times the int8 weight `weight_id` on the one-row kernel: [1, out] in fp32."""
+    kernel, weights = _ROWS[weight_id]
+    return kernel(row, weights)
+
+
+@int8_gemv.register_fake
+def _(row: torch.Tensor, weight_id: int) -> torch.Tensor:
+    return row.new_empty(1, _ROWS[weight_id][1].weight.shape[0])
+
+
 class Int8Linear(torch.nn.Module):
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, gemv: Int8Gemv | None = None) -> None:
         super().__init__()
         weight = linear.weight.detach().float()  # [out, in]
         self.out_features, self.in_features = weight.shape
@@ -47,21 +68,29 @@ class Int8Linear(torch.nn.Module):
         self.weight_id = next(_ids)
         _PACKED[self.weight_id] = (torch.ops.quantized.linear_prepack(quantized, None), self.out_features)
         weakref.finalize(self, _PACKED.pop, self.weight_id, None)
+        self.one_row_kernel = gemv is not None
+        if gemv is not None:
+            _ROWS[self.weight_id] = (gemv, RowWeights.of(quantized.int_repr(), scale))
+            weakref.finalize(self, _ROWS.pop, self.weight_id, None)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / INT8_MAX
-        out = int8_linear(rows / scale, self.weight_id).mul_(scale)
+        if rows.shape[0] == 1 and self.one_row_kernel:
+            out = int8_gemv(rows, self.weight_id)
+        else:
+            scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / INT8_MAX
+            out = int8_linear(rows / scale, self.weight_id).mul_(scale)
         if self.bias is not None:
             out.add_(self.bias)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` (on the CPU) with every linear layer an `Int8Linear` (in place)."""
+def quantize_int8(model: torch.nn.Module, gemv: Int8Gemv | None = None) -> torch.nn.Module:
+    """`model` (on the CPU) with every linear layer an `Int8Linear` (in place), running one-row steps
+    on `gemv` where given."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, Int8Linear(child))
+                setattr(parent, name, Int8Linear(child, gemv))
     return model

@@ -74,7 +74,7 @@ class ModelRunner:
             self.path, dtype=self.dtype, attn_implementation=register_attention()
         ).to(self.device)
         self.model.eval()
-        self.model = apply_quantization(self.model, config.quantization, self.device)
+        self.model = apply_quantization(self.model, config.quantization, self.device, config.cache_dir)
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         n_heads = text_config.num_attention_heads
         self.kv_shape = KVShape(
