@@ -210,6 +210,24 @@ def test_a_tenant_never_sees_another_tenants_stored_responses(engine: InferenceE
         assert acme.responses.retrieve(mine.id).id == mine.id
 
 
+def test_a_response_the_store_cannot_keep_fails_in_the_protocols_shape(
+    server: InProcessServer, oai: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def store_gone(tenant: str, stored: StoredResponse) -> None:
+        raise ConnectionError("the response store is unreachable")
+
+    monkeypatch.setattr(server.context.responses, "put", store_gone)
+    with pytest.raises(openai.InternalServerError):
+        oai.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
+    events = list(oai.responses.create(model=MODEL, input="Hi", max_output_tokens=3, stream=True))
+    assert events[-1].type == "response.failed", [e.type for e in events]
+    assert events[-1].response.status == "failed" and "could not be kept" in events[-1].response.error.message
+    assert "response.completed" not in [e.type for e in events]
+    monkeypatch.undo()  # the server keeps serving, and stores again
+    kept = oai.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
+    assert oai.responses.retrieve(kept.id).id == kept.id
+
+
 def test_the_store_is_bounded_by_count_and_age_per_tenant() -> None:
     def stored(response_id: str) -> StoredResponse:
         return StoredResponse({"id": response_id}, (Turn("user", "hi"),))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -25,6 +26,8 @@ from serve_app.http.streaming import ClosingStreamingResponse
 
 if TYPE_CHECKING:
     from serve_app.http.protocols.limits import RequestLimits
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -148,7 +151,8 @@ class ProtocolHandler:
     ) -> Response:
         """Answer one request, held to `limits`; `cache_salt` maps each client salt to the engine's.
         `answered` runs once the whole answer is built, before its last event or the response is sent
-        (a client that has the answer can rely on what `answered` did)."""
+        (a client that has the answer can rely on what `answered` did; where it fails, the client gets the
+        protocol's error instead: a 500, or a stream that ends in its error event)."""
         try:
             if not await self.engine.ready():
                 raise ProtocolError("not_ready", "Engine not initialized")
@@ -206,7 +210,13 @@ class ProtocolHandler:
                 yield event
         end = builder.format_stream_end(prepared, choices)
         if answered is not None:
-            await answered()
+            try:
+                await answered()
+            except Exception:  # e.g. the response store gone: the stream ends in the protocol's error
+                logger.exception("a streamed answer was built but what follows it failed")
+                for choice in choices:
+                    choice.finish_reason, choice.error = "error", "the answer was built but could not be kept"
+                end = builder.format_stream_end(prepared, choices)
         for event in end:
             yield event
 
