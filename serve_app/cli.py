@@ -49,6 +49,12 @@ def _bench_soak(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_process_cpu(args: argparse.Namespace) -> None:
+    from serve_app.bench.process_cpu import main
+
+    main(args)
+
+
 def _bench_structured(args: argparse.Namespace) -> None:
     from serve_app.bench.structured_bench import main
 
@@ -163,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--max-growth-mb", type=float, default=200.0, help="allowed memory growth after the first round")
     soak.add_argument("--json", default=None)
     soak.set_defaults(func=_bench_soak)
+
+    process_cpu = bench.add_parser(
+        "process-cpu", help="one streaming client against serve run: CPU each process spends per generated token"
+    )
+    process_cpu.add_argument("--requests", type=int, default=4)
+    process_cpu.add_argument("--max-tokens", type=int, default=64)
+    process_cpu.add_argument("--compile", action="store_true", help="the engine's compiled forward")
+    process_cpu.add_argument("--quantization", default="none", choices=["none", "int8"])
+    process_cpu.add_argument("--json", default=None)
+    process_cpu.set_defaults(func=_bench_process_cpu)
 
     structured = bench.add_parser("structured", help="the same requests with and without a JSON schema, in one run")
     structured.add_argument("--model", default=DEFAULT_MODEL)

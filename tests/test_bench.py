@@ -158,3 +158,21 @@ def test_bench_structured_small_run(tmp_path: Path, tiny_llama_path: Path) -> No
     assert len(report["json_schema_over_unconstrained_tok_s"]) == 1
     assert report["mask_ms_per_step_at_2_rows"] > 0
     assert report["new_schema_s"] > report["cached_schema_s"] > 0 and report["first_load_s"] > 0
+
+
+def test_process_cpu_names_each_process_and_charges_it_per_token() -> None:
+    from serve_app.bench.process_cpu import Sample, costs, role_of
+
+    assert role_of(["ray::ServeReplica:llm:Ingress"], "python") == "llm:Ingress"
+    assert role_of(["ray::ServeController.listen_for_change"], "python") == "ServeController.listen_for_change"
+    assert role_of(["/v/bin/python3", "-m", "serve_app.engine.child", "57", "59"], "python3") == "engine process"
+    assert role_of(["ray-dashboard-NodeHead-0 (/v/bin/python3 -c x)"], "python3") == "dashboard NodeHead"
+    assert role_of(["/v/ray/core/src/ray/raylet/raylet", "--raylet_socket_name=x"], "raylet") == "raylet"
+    assert role_of(["/v/bin/python3", "-u", "/v/ray/_private/log_monitor.py", "--x"], "python3") == "log_monitor.py"
+    assert role_of(["/v/bin/python3", "/v/bin/serve", "run", "--address", "local", "c.yaml"], "python3") == "serve run"
+    before = {1: Sample("engine process", 10.0, 100), 2: Sample("llm:Ingress", 1.0, 50), 3: Sample("raylet", 2.0, 7)}
+    after = {1: Sample("engine process", 19.0, 110), 2: Sample("llm:Ingress", 1.2, 150), 4: Sample("haproxy", 0.5, 1)}
+    rows = costs(before, after, tokens=100)
+    assert [(r.role, r.pid) for r in rows] == [("engine process", 1), ("llm:Ingress", 2)]  # one gone, one new: neither
+    assert abs(rows[0].cpu_ms_per_token - 90.0) < 1e-9 and abs(rows[1].cpu_ms_per_token - 2.0) < 1e-9
+    assert rows[0].switches_per_token == 0.1 and rows[1].switches_per_token == 1.0

@@ -1,0 +1,133 @@
+"""`serve-app bench process-cpu`: what one streaming client's tokens cost each process of a fresh
+`serve run`: CPU time and context switches per generated token, process by process (the engine's
+own, the replicas, Serve's and Ray's daemons, HAProxy), and the load generator's own.
+
+On a machine with few cores every other process's CPU comes out of the model's threads' time, so
+this is where one client's speed over HTTP goes beside the step itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from serve_app.bench.client import CompletionClient
+from serve_app.bench.servers import ServeRun
+
+MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A process's CPU time (user + system, seconds) and context switches so far."""
+
+    role: str
+    cpu_s: float
+    switches: int
+
+
+@dataclass(frozen=True)
+class ProcessCost:
+    """What a process spent per generated token over a measured run."""
+
+    role: str
+    pid: int
+    cpu_ms_per_token: float
+    switches_per_token: float
+
+
+def role_of(cmdline: list[str], name: str) -> str:
+    """A short name for a process from its command line: Ray's worker titles, the dashboard's heads,
+    Ray's binaries and scripts, the engine's own process."""
+    text = " ".join(cmdline) or name
+    if "serve_app.engine.child" in text:
+        return "engine process"
+    if match := re.match(r"ray::(\S+)", text):
+        return match.group(1).removeprefix("ServeReplica:")
+    if match := re.match(r"ray-dashboard-(\S+?)-\d+", text):
+        return f"dashboard {match.group(1)}"
+    if any(Path(part).name == "serve" and after == "run" for part, after in zip(cmdline, cmdline[1:])):
+        return "serve run"
+    for part in cmdline:
+        stem = Path(part).name
+        if stem.endswith(".py") or stem in ("gcs_server", "raylet", "haproxy"):
+            return stem
+    return Path(cmdline[0]).name if cmdline else name
+
+
+def sample(processes: list[psutil.Process]) -> dict[int, Sample]:
+    """Each live process's role, CPU time and context switches now."""
+    samples = {}
+    for process in processes:
+        try:
+            with process.oneshot():
+                times, switches = process.cpu_times(), process.num_ctx_switches()
+                role = "load generator" if process.pid == os.getpid() else role_of(process.cmdline(), process.name())
+                samples[process.pid] = Sample(
+                    role, times.user + times.system,
+                    switches.voluntary + switches.involuntary,
+                )
+        except psutil.Error:  # gone in the meantime
+            continue
+    return samples
+
+
+def costs(before: dict[int, Sample], after: dict[int, Sample], tokens: int) -> list[ProcessCost]:
+    """Per-token CPU and switches of every process sampled at both ends, the costliest first."""
+    rows = [
+        ProcessCost(
+            sample.role, pid, (sample.cpu_s - before[pid].cpu_s) / tokens * 1e3,
+            (sample.switches - before[pid].switches) / tokens,
+        )
+        for pid, sample in after.items()
+        if pid in before
+    ]
+    return sorted(rows, key=lambda row: row.cpu_ms_per_token, reverse=True)
+
+
+def _processes(server: ServeRun) -> list[psutil.Process]:
+    root = psutil.Process(server.process.pid)
+    return [root, *root.children(recursive=True), psutil.Process()]  # the load generator last
+
+
+async def _one_client(url: str, requests: int, max_tokens: int) -> int:
+    async with CompletionClient(url) as client:
+        tokens = 0
+        for index in range(requests):
+            timing = await client.stream(MODEL, f"Tell me about topic number {index}.", max_tokens)
+            tokens += timing.output_tokens
+        return tokens
+
+
+def main(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as workdir:
+        server = ServeRun(Path(workdir), args={"compile": args.compile, "quantization": args.quantization}, timeout=1800)
+        try:
+            asyncio.run(_one_client(server.url, 1, 8))  # warm
+            processes = _processes(server)
+            before = sample(processes)
+            start = time.perf_counter()
+            tokens = asyncio.run(_one_client(server.url, args.requests, args.max_tokens))
+            wall = time.perf_counter() - start
+            rows = costs(before, sample(processes), tokens)
+        finally:
+            server.stop()
+    others = sum(row.cpu_ms_per_token for row in rows if row.role != "engine process")
+    print(f"{tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s, {wall / tokens * 1e3:.1f} ms a token")
+    print(f"{'CPU ms/token':>12} {'switches/token':>14}  process")
+    for row in rows:
+        if row.cpu_ms_per_token >= 0.05:
+            print(f"{row.cpu_ms_per_token:12.2f} {row.switches_per_token:14.1f}  {row.role} ({row.pid})")
+    print(f"every process but the engine's: {others:.1f} ms of CPU a token")
+    if args.json:
+        report = {"tokens": tokens, "wall_s": wall, "others_cpu_ms_per_token": others, "processes": [asdict(r) for r in rows]}
+        Path(args.json).write_text(json.dumps(report, indent=2))
