@@ -5,8 +5,16 @@ queues are imbalanced; KV calls (`LookupKV`, `RetrieveKV`, `StoreKV`) go where t
 
 It learns what each replica holds by following the ReplicaBoard's page directory in the
 background while requests come (every ingress's router reads the same view; each ask waits at the
-board for news, at most every `refresh_s`; an idle router stops asking, and catches up on its next request) and by noting where it has just sent a prompt. It times
-its own decisions and tells the board (`/stats/routing`). Nothing here blocks the router's event loop.
+board for news, at most every `refresh_s`; a router idle for `idle_after_s` stops asking, and
+catches up on its next request) and by noting where it has just sent a prompt. It times its own
+decisions and tells the board (`/stats/routing`), with how often its follower has started and how
+many pages it knows of.
+
+Nothing here blocks or waits on the router's event loop, in either of Serve's modes. A routing
+decision never waits on the board: it ranks with what is known. The board's handle routes on the
+loop that runs this router (`_run_router_in_separate_loop=False`): a handle that routes on Serve's
+shared router loop would, on its first call from a task on that same loop, wait for that loop to
+run its set-up, and every routing decision in the process would hang (Serve's default mode).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ray import serve
+from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import (
     PendingRequest,
     ReplicaID,
@@ -38,8 +46,6 @@ from serve_app.routing.policy import RoutingPolicy
 
 logger = logging.getLogger(__name__)
 
-# A router that has routed nothing for this long stops following the board until its next request.
-IDLE_AFTER_S = 30.0
 # How long one ask for the page directory's changes waits for news.
 WAIT_FOR_CHANGES_S = 1.0
 # How often a router tells the board what its decisions cost (`/stats/routing`).
@@ -55,14 +61,18 @@ class PrefixAwareRouter(RequestRouter):
         balance_rel_threshold: float = 1.5,
         min_match_ratio: float = 0.5,
         refresh_s: float = 0.05,
+        idle_after_s: float = 30.0,
     ) -> None:
         self._routing = PrefixRouting(RoutingPolicy(balance_abs_threshold, balance_rel_threshold, min_match_ratio))
         self._refresh_s = refresh_s
+        self._idle_after_s = idle_after_s
+        self._board: DeploymentHandle | None = None
         self._follower: asyncio.Task | None = None
+        self._follower_starts = 0
         self._last_request = 0.0
         self._hashes: OrderedDict[str, list[PageHash]] = OrderedDict()  # by internal request id, until routed
         self._costs = DecisionCosts()
-        self._reported_decisions = 0
+        self._reported: dict[str, float] = {}
         self._name = f"{self.app_name}:{os.getpid()}:{id(self):x}"
 
     async def choose_replicas(
@@ -101,18 +111,28 @@ class PrefixAwareRouter(RequestRouter):
     def _follow_the_board(self) -> None:
         self._last_request = time.monotonic()
         if self._follower is None or self._follower.done():
+            self._follower_starts += 1
             self._follower = asyncio.get_running_loop().create_task(self._follow())
 
+    def _board_handle(self) -> DeploymentHandle:
+        """The board's handle, made once and routing on this router's own loop (see the module's doc)."""
+        if self._board is None:
+            board = DeploymentHandle(BOARD, self.app_name)
+            board._init(_run_router_in_separate_loop=False)
+            self._board = board
+        return self._board
+
     async def _follow(self) -> None:
-        board = serve.get_deployment_handle(BOARD, self.app_name)
         last_report = 0.0
-        while time.monotonic() - self._last_request < IDLE_AFTER_S:
+        while time.monotonic() - self._last_request < self._idle_after_s:
             try:
+                board = self._board_handle()
                 index = self._routing.index
                 index.apply(await board.page_changes.remote(index.seq, WAIT_FOR_CHANGES_S))
-                if self._costs.decisions > self._reported_decisions and time.monotonic() - last_report >= REPORT_COSTS_S:
-                    self._reported_decisions, last_report = self._costs.decisions, time.monotonic()
-                    await board.report_routing.remote(self._name, self._costs.summary())
+                report = {**self._costs.summary(), "follower_starts": self._follower_starts, "pages_known": len(index)}
+                if report != self._reported and time.monotonic() - last_report >= REPORT_COSTS_S:
+                    await board.report_routing.remote(self._name, report)
+                    self._reported, last_report = report, time.monotonic()
             except Exception:  # the board may be restarting; routing goes on with what is known
                 logger.warning("could not read the page directory", exc_info=True)
                 await asyncio.sleep(1.0)
