@@ -40,7 +40,9 @@ class ModelConfig(_Strict):
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, ge=2, description="context limit; defaults to the model's")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; defaults to every core")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads; defaults to every core, in a Serve replica to its num_cpus"
+    )
     decode_attention: Literal["auto", "torch"] = Field(
         "auto",
         description="auto: the paged C kernel on CPU with float32 where it builds, else torch; torch: gather + SDPA",

@@ -58,7 +58,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
-            # Ray sets OMP_NUM_THREADS to a replica's CPU reservation; the model wants every core.
+            # Unset, every core (a Serve replica sets it from its Ray CPU reservation: deployments.placement).
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         hf_config = AutoConfig.from_pretrained(self.path)
         self.hf_config = hf_config
