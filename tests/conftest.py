@@ -23,7 +23,7 @@ from tests.inprocess import (
     openai_client,
 )
 from tests.references import ReferenceModel
-from tests.served import ForeignRayCluster
+from tests.served import FOLLOWER_IDLE_S, router_config
 from tests.tiny_models import build_tiny_model
 
 # Every engine and server a test starts runs on the CPU, float32, whatever the host has: the oracle
@@ -74,19 +74,14 @@ def _engine_returns_every_page(request: pytest.FixtureRequest) -> Iterator[None]
 
 
 @pytest.fixture(scope="session")
-def foreign_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForeignRayCluster]:
-    """A Ray cluster running on the machine, named by RAY_ADDRESS, while the shared `serve run` starts."""
-    cluster = ForeignRayCluster(tmp_path_factory.mktemp("foreign-ray") / "ray.log")
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="session")
-def served(tmp_path_factory: pytest.TempPathFactory, foreign_ray: ForeignRayCluster) -> Iterator[ServeRun]:
-    """The project's `serve run serve_config.yaml` on a free port, shared by every end-to-end test."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_ADDRESS", foreign_ray.address)  # a user's shell pointing at their cluster
-        run = ServeRun(tmp_path_factory.mktemp("serve"), args={"cache_tokens": 8192, "max_model_len": 2048})
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
+    """The card's own command, `serve run serve_config.yaml`, in a user's environment (none of the Makefile's
+    settings, no RAY_ADDRESS), on a free port, shared by every end-to-end test. Its request router stops
+    following the replica board after FOLLOWER_IDLE_S without requests, so tests see it restart."""
+    run = ServeRun(
+        tmp_path_factory.mktemp("serve"), args={"cache_tokens": 8192, "max_model_len": 2048}, plain=True,
+        deployments={"EngineDeployment": {"request_router_config": router_config(idle_after_s=FOLLOWER_IDLE_S)}},
+    )
     yield run
     run.stop()
 

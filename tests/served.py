@@ -1,4 +1,4 @@
-"""The project's `serve run`, shared by the end-to-end tests, and a Ray cluster it must keep away from."""
+"""Processes the end-to-end tests find and start: the engine replica of a `serve run`, a two-node Ray cluster."""
 
 from __future__ import annotations
 
@@ -13,52 +13,60 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import psutil
+import yaml
 
-from serve_app.bench.servers import free_port
+from serve_app.bench.servers import ROOT, free_port
+from tests.inprocess import MODEL, openai_client
+
+# How long the request router of the tests' `serve run`s follows the replica board after its last request.
+FOLLOWER_IDLE_S = 2.0
 
 
-class ForeignRayCluster:
-    """A one-node Ray cluster on loopback (`ray start --head --block`) that is not ours to join."""
+def router_config(**kwargs: float) -> dict:
+    """The engine's `request_router_config` of serve_config.yaml, with these `request_router_kwargs` changed."""
+    app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
+    config = next(d for d in app["deployments"] if d["name"] == "EngineDeployment")["request_router_config"]
+    return {**config, "request_router_kwargs": {**config["request_router_kwargs"], **kwargs}}
 
-    def __init__(self, log_path: Path) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self._temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-        self._log = open(log_path, "w")
-        ray = Path(sys.executable).parent / "ray"
-        self.process = subprocess.Popen(
-            [str(ray), "start", "--head", f"--port={self.port}", "--node-ip-address=127.0.0.1", "--num-cpus=0",
-             "--include-dashboard=false", f"--ray-client-server-port={free_port()}", f"--temp-dir={self._temp_dir}",
-             "--block"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        deadline = time.monotonic() + 120
-        while not _listening(self.port):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ray start did not come up: {log_path.read_text()[-2000:]}")
-            time.sleep(0.2)
 
-    def process_names(self) -> list[str]:
-        """The command lines of every process the cluster runs."""
-        names = []
-        for proc in psutil.Process(self.process.pid).children(recursive=True):
-            try:
-                names.append(" ".join(proc.cmdline()))
-            except psutil.NoSuchProcess:
-                continue
-        return names
+def routing_reports(url: str) -> dict[str, dict[str, float]]:
+    return httpx.get(f"{url}/stats/routing", timeout=10).json()
 
-    def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.process.pid, sig)
-                self.process.wait(timeout=10)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        self._log.close()
-        shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+def _wait_for_report(url: str, condition, what: str, timeout: float = 30.0) -> dict[str, dict[str, float]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        reports = routing_reports(url)
+        if any(condition(name, report) for name, report in reports.items()):
+            return reports
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no router reported {what} within {timeout} s: {reports}")
+        time.sleep(0.25)
+
+
+def check_routing_across_an_idle_spell(url: str) -> None:
+    """A request is routed and answered, its router learns its pages from the board; after FOLLOWER_IDLE_S
+    without requests the router stops following the board, and the next request (routed at once, from
+    what the router knows) restarts its follower, which catches up."""
+    client = openai_client(url)
+    system = "You answer questions about the weather in the mountains, briefly and kindly. " * 6
+
+    def ask(question: str) -> None:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, timeout=60)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+
+    ask("Is it windy?")
+    reports = _wait_for_report(url, lambda _, r: r["pages_known"] > 0, "the pages of a routed request")
+    starts = {name: report["follower_starts"] for name, report in reports.items()}
+    time.sleep(FOLLOWER_IDLE_S + 2.0)  # idle past the follower's patience, and its last wait at the board
+    ask("Is it cold?")
+    _wait_for_report(
+        url, lambda name, r: r["follower_starts"] > starts.get(name, 0) and r["pages_known"] > 0,
+        "a restarted follower that caught up",
+    )
 
 
 def _listening(port: int) -> bool:
@@ -78,25 +86,31 @@ def engine_replica_pid(served_pid: int) -> int:
 
 
 class TwoNodeCluster:
-    """A Ray cluster of two nodes on this machine: a head and a worker raylet, one CPU each, both started
-    with the environment a `serve run` of the project gets (`serve_env`)."""
+    """A Ray cluster of two nodes on this machine, started as a user starts one: `ray start --head --block`
+    (with its dashboard, which `serve deploy` talks to), then `ray start --address=... --block` for the
+    second raylet, one CPU each, the second with a resource of its own (`worker_node`) and a model cache
+    folder of its own (`SERVE_APP_CACHE_DIR`), as a machine of its own would have. Token
+    authentication stays on (Ray's default): every process that joins reads the cluster's token file
+    (`RAY_AUTH_TOKEN_PATH`), as another machine would after `ray get-auth-token` was copied to it."""
 
     def __init__(self, workdir: Path) -> None:
-        from serve_app.bench.servers import serve_env
+        from serve_app.bench.servers import users_environment
 
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        # Token authentication, as Ray sets up a cluster by default, for every process that joins it,
-        # with a token of the cluster's own (none need be in ~/.ray on a fresh machine).
-        self.env = {**serve_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        self.dashboard = f"http://127.0.0.1:{free_port()}"
+        token = workdir / "auth_token"
+        token.write_text(secrets.token_hex(32))
+        self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+        self.worker_cache = workdir / "worker-node-cache"
         self._temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
         ray = str(Path(sys.executable).parent / "ray")
-        environ = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **self.env}
+        environ = {**users_environment(os.environ), **self.env}
         self._logs = [open(workdir / "head.log", "w"), open(workdir / "worker.log", "w")]
         self.head = subprocess.Popen(
             [ray, "start", "--head", f"--port={self.port}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-             "--include-dashboard=false", f"--ray-client-server-port={free_port()}", f"--temp-dir={self._temp_dir}",
-             "--block"],
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard.rsplit(':', 1)[1]}",
+             f"--ray-client-server-port={free_port()}", f"--temp-dir={self._temp_dir}", "--block"],
             stdout=self._logs[0], stderr=subprocess.STDOUT, start_new_session=True, env=environ,
         )
         deadline = time.monotonic() + 120
@@ -105,23 +119,36 @@ class TwoNodeCluster:
                 raise RuntimeError(f"ray start --head did not come up: {(workdir / 'head.log').read_text()[-2000:]}")
             time.sleep(0.2)
         self.worker = subprocess.Popen(
-            [ray, "start", f"--address={self.address}", "--node-ip-address=127.0.0.1", "--num-cpus=1", "--block"],
-            stdout=self._logs[1], stderr=subprocess.STDOUT, start_new_session=True, env=environ,
+            [ray, "start", f"--address={self.address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+             '--resources={"worker_node": 1}', "--block"],
+            stdout=self._logs[1], stderr=subprocess.STDOUT, start_new_session=True,
+            env={**environ, "SERVE_APP_CACHE_DIR": str(self.worker_cache)},
         )
 
-    def engine_replica_pids(self) -> list[int]:
-        """The engine replicas' processes, on either node."""
-        pids = []
-        for root in (self.head, self.worker):
+    def serve_cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """A `serve` command against this cluster's dashboard, in a user's environment with the token."""
+        from serve_app.bench.servers import users_environment
+
+        serve = str(Path(sys.executable).parent / "serve")
+        return subprocess.run(
+            [serve, *args, "--address", self.dashboard], capture_output=True, text=True, timeout=timeout,
+            env={**users_environment(os.environ), **self.env},
+        )
+
+    def engine_replicas(self) -> list[tuple[str, psutil.Process]]:
+        """The engine replicas' processes, each with the node it runs on ("head" or "worker")."""
+        found = []
+        for node, root in (("head", self.head), ("worker", self.worker)):
             for proc in psutil.Process(root.pid).children(recursive=True):
                 try:
                     if "ServeReplica:llm:EngineDeployment" in " ".join(proc.cmdline()):
-                        pids.append(proc.pid)
+                        found.append((node, proc))
                 except psutil.NoSuchProcess:
                     continue
-        return pids
+        return found
 
     def stop(self) -> None:
+        """Stop the two raylets this cluster started, each by its own process group."""
         for process in (self.worker, self.head):
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:

@@ -1,9 +1,12 @@
-"""The app on a real two-node Ray cluster (two raylets on this machine, one CPU each): autoscaling
-adds an engine replica on the other node under load and removes it when idle, streams on a replica
-being scaled down finish, and a killed replica's streams end with an error while the others finish.
+"""The app on a real two-node Ray cluster started first, as a user starts one (`ray start --head`, then
+`ray start --address=...` for a second raylet, one CPU each, token authentication on): `serve run
+--address` onto it, autoscaling adds an engine replica on the other node under load (which prepares
+the model into that node's own cache folder) and removes it when idle, streams on a replica being
+scaled down finish, a killed replica's streams end with an error while the others finish, and a
+`serve deploy` of a changed config rolls the replicas under streams without dropping one.
 
-Autoscaling runs with short delays here (as Ray's own autoscaling tests do), and each replica gets
-one torch thread.
+Autoscaling runs with short delays here (as Ray's own autoscaling tests do). Each engine replica
+reserves one CPU, and so runs one torch thread.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import yaml
 
 from serve_app.bench.idle import is_idle
 from serve_app.bench.servers import ServeRun
@@ -29,8 +33,8 @@ AUTOSCALED = {
         "look_back_period_s": 2, "upscale_delay_s": 0, "downscale_delay_s": 4,
     },
     "ray_actor_options": {"num_cpus": 1},  # one replica per node
-    "graceful_shutdown_timeout_s": 300,  # a replica being removed finishes its streams first
 }
+ARGS = {"cache_tokens": 4096, "max_model_len": 1024}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodeCluster
 def app(cluster: TwoNodeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
     run = ServeRun(
         tmp_path_factory.mktemp("cluster-app"), address=cluster.address, proxy_location="HeadOnly", env=cluster.env,
-        args={"cache_tokens": 4096, "max_model_len": 1024, "num_threads": 1}, deployments={"EngineDeployment": AUTOSCALED},
+        args=ARGS, deployments={"EngineDeployment": AUTOSCALED}, plain=True,
     )
     yield run
     run.stop()
@@ -82,33 +86,50 @@ def _load(pool: ThreadPoolExecutor, client: openai.OpenAI, count: int, tokens: i
     return [pool.submit(_stream, client, start + i, tokens) for i in range(count)]
 
 
-def test_load_adds_a_replica_on_the_other_node_and_idle_removes_it(app: ServeRun) -> None:
+def _load_until(condition: Callable[[], bool], pool: ThreadPoolExecutor, client: openai.OpenAI, tokens: int,
+                start: int, timeout: float = 180) -> list[Future]:
+    """Streams, four more whenever fewer than six run, until `condition` holds: load that lasts however
+    long a new replica takes to start (preparing its model on a node that has none takes a while)."""
+    streams: list[Future] = []
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline or len(streams) >= 64:
+            raise AssertionError(f"not met after {len(streams)} streams")
+        if sum(not stream.done() for stream in streams) < 6:
+            streams += _load(pool, client, 4, tokens, start + len(streams))
+        time.sleep(0.5)
+    return streams
+
+
+def test_load_adds_a_replica_on_the_other_node_and_idle_removes_it(app: ServeRun, cluster: TwoNodeCluster) -> None:
     client = openai_client(app.url)
     assert len(_replicas(app)) == 1
-    with ThreadPoolExecutor(12) as pool:
-        burst = _load(pool, client, 8, 120)
-        _wait_for(lambda: len(_replicas(app)) == 2, 120, "scaled to two replicas")
+    with ThreadPoolExecutor(24) as pool:
+        burst = _load_until(lambda: len(_replicas(app)) == 2, pool, client, 120, start=0)
         nodes = {stats["node_id"] for stats in _replicas(app).values()}
         assert len(nodes) == 2  # one replica per node
+        # The replica on the second node found no model there and prepared it into that node's own cache.
+        assert (cluster.worker_cache / "models" / MODEL / ".prepared").is_file()
+        worker_replicas = [proc for node, proc in cluster.engine_replicas() if node == "worker"]
+        assert [proc.environ().get("SERVE_APP_CACHE_DIR") for proc in worker_replicas] == [str(cluster.worker_cache)]
         long = _load(pool, client, 2, 400, start=100)  # still running when the load drops below one replica's
         results = [future.result(timeout=600) for future in burst + long]
-    assert results == [("length", 120)] * 8 + [("length", 400)] * 2  # nothing lost while scaling down
+    assert results == [("length", 120)] * len(burst) + [("length", 400)] * 2  # nothing lost while scaling down
     _wait_for(lambda: len(_replicas(app)) == 1, 120, "back to one replica")
     _wait_for(lambda: all(is_idle(s) for s in _replicas(app).values()), 30, "idle with every page back")
 
 
 def test_a_killed_replica_fails_only_its_own_streams(app: ServeRun, cluster: TwoNodeCluster) -> None:
     client = openai_client(app.url)
-    with ThreadPoolExecutor(16) as pool:
-        warm = _load(pool, client, 8, 60, start=200)
-        _wait_for(lambda: len(_replicas(app)) == 2, 120, "scaled to two replicas")
+    with ThreadPoolExecutor(32) as pool:
+        warm = _load_until(lambda: len(_replicas(app)) == 2, pool, client, 60, start=200)
         streams: list[Future] = []  # one more every half second until both replicas run some (by load)
         while not all(s["active_tasks"] > 0 for s in _replicas(app).values()):
             assert len(streams) < 16, _replicas(app)
             streams += _load(pool, client, 1, 300, start=300 + len(streams))
             time.sleep(0.5)
         victim = next(s["pid"] for s in _replicas(app).values())
-        assert victim in cluster.engine_replica_pids()
+        assert victim in [proc.pid for _, proc in cluster.engine_replicas()]
         os.kill(victim, signal.SIGKILL)
         outcomes = []
         for future, tokens in [(f, 60) for f in warm] + [(f, 300) for f in streams]:
@@ -125,3 +146,32 @@ def test_a_killed_replica_fails_only_its_own_streams(app: ServeRun, cluster: Two
     assert after.choices[0].message.content is not None  # new requests go to a live replica
     _wait_for(lambda: len(_replicas(app)) >= 1 and all(is_idle(s) for s in _replicas(app).values()), 120,
               "a live replica, idle with every page back")
+
+
+def test_a_changed_config_deployed_rolls_the_replicas_without_dropping_a_stream(
+    app: ServeRun, cluster: TwoNodeCluster
+) -> None:
+    _wait_for(lambda: len(_replicas(app)) == 1 and all(is_idle(s) for s in _replicas(app).values()), 120, "settled")
+    before = set(_replicas(app))
+    config = yaml.safe_load(app.config_path.read_text())
+    config["applications"][0]["args"].update(max_num_seqs=64, cache_tokens=2048)
+    changed = app.config_path.with_name("changed.yaml")
+    changed.write_text(yaml.safe_dump(config))
+    client = openai_client(app.url)
+    with ThreadPoolExecutor(8) as pool:
+        streams = _load(pool, client, 8, 100, start=500)
+        _wait_for(lambda: sum(s["active_tasks"] + s["waiting_queue"] for s in _replicas(app).values()) >= 8, 60, "streaming")
+        deployed = cluster.serve_cli("deploy", str(changed))
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        results = [future.result(timeout=600) for future in streams]
+    assert results == [("length", 100)] * 8  # every stream in flight ended whole
+
+    def rolled() -> bool:
+        replicas = _replicas(app)
+        return bool(replicas) and not set(replicas) & before and all(s["kv_pages_total"] == 2048 // 16 for s in replicas.values())
+
+    _wait_for(rolled, 300, "rolled to replicas with the new config")
+    status = cluster.serve_cli("status")
+    assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
+    after = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert after.choices[0].finish_reason in ("stop", "length")  # new requests go to the new replicas

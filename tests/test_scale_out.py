@@ -1,4 +1,5 @@
-"""Two engine replicas behind `serve run`, routed by the pages they cache (deployments.router).
+"""Two engine replicas behind `serve run` with the settings of `make serve` (Serve's throughput mode,
+HAProxy), routed by the pages they cache (deployments.router).
 
 Each replica gets one torch thread, as two replicas share this machine's two cores. With Serve's
 default router a conversation's next turn lands on the replica without its history about half
@@ -12,21 +13,20 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import connect, create_request, make_post_completion
 from tests.inprocess import MODEL, openai_client
+from tests.served import FOLLOWER_IDLE_S, check_routing_across_an_idle_spell, router_config
 
 PAGE = 16
 TWO_REPLICAS = {
     "autoscaling_config": {"min_replicas": 2, "max_replicas": 2},
     "ray_actor_options": {"num_cpus": 0},
     # Eight conversations at once on two replicas: the history decides, not a passing imbalance of a few.
-    "request_router_config": {
-        "request_router_class": "deployments.router:PrefixAwareRouter",
-        "request_router_kwargs": {"balance_abs_threshold": 16, "balance_rel_threshold": 1.5, "min_match_ratio": 0.5},
-    },
+    "request_router_config": router_config(balance_abs_threshold=16, idle_after_s=FOLLOWER_IDLE_S),
 }
 
 
@@ -128,3 +128,36 @@ def test_the_router_reports_what_its_decisions_cost(two_engines: ServeRun) -> No
     assert sum(r["decisions"] for r in routers.values()) >= before + 3, routers
     for costs in routers.values():
         assert 0 < costs["p50_us"] <= costs["p99_us"] <= costs["max_us"], costs
+
+
+def test_routing_in_serves_throughput_mode_and_after_the_router_idled(two_engines: ServeRun) -> None:
+    assert two_engines.env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    check_routing_across_an_idle_spell(two_engines.url)
+
+
+def test_haproxy_serves_the_port_and_forwards_to_the_ingress(two_engines: ServeRun) -> None:
+    """HTTP reaches the ingress replica through HAProxy (installed by `ray[serve]` on Linux)."""
+    assert two_engines.env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert httpx.get(f"{two_engines.url}/health", timeout=10).status_code == 200
+    stats_port = two_engines.env["RAY_SERVE_HAPROXY_STATS_PORT"]
+    csv = httpx.get(f"http://127.0.0.1:{stats_port}/stats;csv", timeout=10).text
+    # Columns 7 and 17 of HAProxy's CSV: sessions so far, and the server's status.
+    ingress = [line.split(",") for line in csv.splitlines() if line.startswith("http-llm,SERVE_REPLICA_llm-Ingress")]
+    assert ingress and all(row[17] == "UP" for row in ingress)
+    assert sum(int(row[7]) for row in ingress) >= 1
+
+
+def test_haproxy_side_ports_listen_on_the_config_host_only(two_engines: ServeRun) -> None:
+    """Serve's HAProxy template binds its stats and metrics ports on every interface; ours bind 127.0.0.1."""
+    ports = {int(two_engines.env[name]) for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")}
+    listening: dict[int, set[str]] = {}
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] != "haproxy":
+            continue
+        try:
+            for conn in proc.net_connections("tcp"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr.port in ports:
+                    listening.setdefault(conn.laddr.port, set()).add(conn.laddr.ip)
+        except psutil.NoSuchProcess:
+            continue
+    assert listening == {port: {"127.0.0.1"} for port in ports}

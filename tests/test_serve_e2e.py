@@ -20,7 +20,7 @@ from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import connect, create_request, make_post_completion
 from tests.agent_runs import weather_agent_answer
 from tests.inprocess import anthropic_client, openai_client
-from tests.served import ForeignRayCluster, engine_replica_pid
+from tests.served import check_routing_across_an_idle_spell
 
 MODEL = "smollm2-135m-instruct"
 
@@ -50,39 +50,33 @@ def test_health_models_and_config(served: ServeRun) -> None:
     assert _stats(served)["kv_pages_total"] == 8192 // 16
 
 
-def test_haproxy_serves_the_port_and_forwards_to_the_ingress(served: ServeRun) -> None:
-    """HTTP reaches the ingress replica through HAProxy (installed by `ray[serve]` on Linux)."""
-    assert served.env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
-    stats_port = served.env["RAY_SERVE_HAPROXY_STATS_PORT"]
-    csv = httpx.get(f"http://127.0.0.1:{stats_port}/stats;csv", timeout=10).text
-    # Columns 7 and 17 of HAProxy's CSV: sessions so far, and the server's status.
-    ingress = [line.split(",") for line in csv.splitlines() if line.startswith("http-llm,SERVE_REPLICA_llm-Ingress")]
-    assert ingress and all(row[17] == "UP" for row in ingress)
-    assert sum(int(row[7]) for row in ingress) >= 1
+def test_the_cards_command_answers_its_first_request_then_twenty_streams(served: ServeRun, oai: openai.OpenAI) -> None:
+    """`serve run serve_config.yaml` as a user runs it: no RAY_SERVE_* settings, no RAY_ADDRESS."""
+    environment = psutil.Process(served.process.pid).environ()
+    assert not [key for key in environment if key.startswith(("RAY_SERVE_", "RAY_ADDRESS", "SERVE_APP_"))]
+    first = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, timeout=60
+    )
+    assert first.choices[0].finish_reason in ("stop", "length") and first.usage.completion_tokens > 0
+
+    def stream(index: int) -> tuple[str | None, int]:
+        chunks = oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Tell me about river number {index}."}],
+            max_tokens=12, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            timeout=120,
+        )
+        finish, tokens = None, 0
+        for chunk in chunks:
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+            finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
+        return finish, tokens
+
+    with ThreadPoolExecutor(20) as pool:
+        assert list(pool.map(stream, range(20))) == [("length", 12)] * 20
 
 
-def test_haproxy_side_ports_listen_on_the_config_host_only(served: ServeRun) -> None:
-    """Serve's HAProxy template binds its stats and metrics ports on every interface; ours bind 127.0.0.1."""
-    ports = {int(served.env[name]) for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")}
-    listening: dict[int, set[str]] = {}
-    for proc in psutil.process_iter(["name"]):
-        if proc.info["name"] != "haproxy":
-            continue
-        try:
-            for conn in proc.net_connections("tcp"):
-                if conn.status == psutil.CONN_LISTEN and conn.laddr.port in ports:
-                    listening.setdefault(conn.laddr.port, set()).add(conn.laddr.ip)
-        except psutil.NoSuchProcess:
-            continue
-    assert listening == {port: {"127.0.0.1"} for port in ports}
-
-
-def test_serve_run_keeps_to_its_own_ray_cluster(served: ServeRun, foreign_ray: ForeignRayCluster) -> None:
-    """RAY_ADDRESS named another cluster when `serve run` started: Serve runs in a cluster of its own."""
-    assert engine_replica_pid(served.process.pid)  # the replicas are children of our `serve run`
-    foreign = foreign_ray.process_names()
-    assert foreign and not any("Serve" in name for name in foreign), foreign
+def test_routing_in_serves_default_mode_and_after_the_router_idled(served: ServeRun) -> None:
+    check_routing_across_an_idle_spell(served.url)
 
 
 def test_chat_multi_turn_with_system_prompt(oai: openai.OpenAI, engine: InferenceEngine) -> None:

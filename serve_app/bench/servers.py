@@ -114,9 +114,14 @@ def kill_haproxy_listening_on(port: int) -> int:
     return killed
 
 
-def _without_ray_address(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment minus RAY_ADDRESS: a `serve run` of ours never reaches for a user's cluster."""
-    return {key: value for key, value in environ.items() if key != "RAY_ADDRESS"}
+# What a user's shell does not have: Ray's and Serve's settings, the cluster address and this project's own.
+_NOT_A_USERS = ("RAY_", "SERVE_APP_")
+
+
+def users_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` as a user's shell has it: without RAY_ADDRESS, RAY_SERVE_* and the rest of Ray's settings,
+    nor this project's SERVE_APP_* (the Makefile exports some of them)."""
+    return {key: value for key, value in environ.items() if not key.startswith(_NOT_A_USERS)}
 
 
 # Below the kernel's ephemeral range (where it picks ports for outgoing connections and for Ray's own
@@ -155,9 +160,11 @@ class ServeRun:
     """`serve run` on a Serve config (the project's by default), moved to a free port, args, deployment
     options (`deployments`: name -> options to set) and `proxy_location` overridden.
 
-    It starts a Ray cluster of its own (`--address local`, its own temp dir), so it never joins,
-    nor disturbs, a cluster that happens to run on this machine; with `address` it runs on that
-    cluster instead (whose processes then need `serve_env()` themselves), `env` added to its environment.
+    It runs in a user's environment (`users_environment`) with the speed settings of `make serve`
+    (`serve_env()`) on top, or with `plain=True` without them: the card's own `serve run
+    serve_config.yaml`. It starts a Ray cluster of its own (`--address local`, its own temp dir), so it
+    never joins, nor disturbs, a cluster that happens to run on this machine; with `address` it runs on
+    that cluster instead, `env` added to its environment.
     """
 
     def __init__(
@@ -170,6 +177,7 @@ class ServeRun:
         address: str | None = None,
         proxy_location: str | None = None,
         env: dict[str, str] | None = None,
+        plain: bool = False,
     ) -> None:
         config = yaml.safe_load((config_path or ROOT / "serve_config.yaml").read_text())
         self.port = free_port()
@@ -182,21 +190,22 @@ class ServeRun:
             deployment.update((deployments or {}).get(deployment["name"], {}))
         path = workdir / "serve_config.yaml"
         path.write_text(yaml.safe_dump(config))
+        self.config_path = path
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "serve.log"
         self._log = open(self.log_path, "w")
         serve = Path(sys.executable).parent / "serve"
         # Short: Ray's socket paths under it must stay within the 107 characters a Unix socket allows.
         self.ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-        self.env = {**serve_env(), "RAY_TMPDIR": self.ray_dir, **(env or {})}
+        self.env = {**({} if plain else serve_env()), "RAY_TMPDIR": self.ray_dir, **(env or {})}
         self.process = subprocess.Popen(
-            [str(serve), "run", "--address", address or "local", str(path)],
+            [str(serve), "run", *([] if plain and address is None else ["--address", address or "local"]), str(path)],
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_default_sigint,
-            env={**_without_ray_address(os.environ), "RAY_DEDUP_LOGS": "0", **self.env},
+            env={**users_environment(os.environ), **self.env},
         )
         self.wait_ready(timeout)
 
