@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # binary `ray[serve]` installs) serves that port and forwards to the ingress's own HTTP server
 # (HAProxy mode turns direct ingress on itself), run through deployments/haproxy-bind-host so that
 # its stats and metrics ports bind the config's host, not every interface; the Serve controller's
-# loop at 1 s instead of 0.1 s: see README, Configuration and scale.
+# loop at 1 s instead of 0.1 s.
 export RAY_worker_niceness ?= 0
 export RAY_SERVE_THROUGHPUT_OPTIMIZED ?= 1
 export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0

@@ -125,14 +125,16 @@ class TwoNodeCluster:
             env={**environ, "SERVE_APP_CACHE_DIR": str(self.worker_cache)},
         )
 
-    def serve_cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """A `serve` command against this cluster's dashboard, in a user's environment with the token."""
+    def serve_cli(self, *args: str, token: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        """A `serve` command against this cluster's dashboard, in a user's environment with the cluster's
+        token (or the one in `token`)."""
         from serve_app.bench.servers import users_environment
 
         serve = str(Path(sys.executable).parent / "serve")
+        auth = {**self.env, **({"RAY_AUTH_TOKEN_PATH": str(token)} if token else {})}
         return subprocess.run(
             [serve, *args, "--address", self.dashboard], capture_output=True, text=True, timeout=timeout,
-            env={**users_environment(os.environ), **self.env},
+            env={**users_environment(os.environ), **auth},
         )
 
     def engine_replicas(self) -> list[tuple[str, psutil.Process]]:

@@ -12,6 +12,7 @@ reserves one CPU, and so runs one torch thread.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -146,6 +147,14 @@ def test_a_killed_replica_fails_only_its_own_streams(app: ServeRun, cluster: Two
     assert after.choices[0].message.content is not None  # new requests go to a live replica
     _wait_for(lambda: len(_replicas(app)) >= 1 and all(is_idle(s) for s in _replicas(app).values()), 120,
               "a live replica, idle with every page back")
+
+
+def test_the_cluster_refuses_a_process_without_its_token(app: ServeRun, cluster: TwoNodeCluster, tmp_path) -> None:
+    assert cluster.serve_cli("status").returncode == 0
+    other = tmp_path / "another-token"
+    other.write_text(secrets.token_hex(32))
+    refused = cluster.serve_cli("status", token=other)
+    assert refused.returncode != 0 and "token is invalid" in refused.stdout + refused.stderr
 
 
 def test_a_changed_config_deployed_rolls_the_replicas_without_dropping_a_stream(

@@ -162,9 +162,10 @@ class ServeRun:
 
     It runs in a user's environment (`users_environment`) with the speed settings of `make serve`
     (`serve_env()`) on top, or with `plain=True` without them: the card's own `serve run
-    serve_config.yaml`. It starts a Ray cluster of its own (`--address local`, its own temp dir), so it
-    never joins, nor disturbs, a cluster that happens to run on this machine; with `address` it runs on
-    that cluster instead, `env` added to its environment.
+    serve_config.yaml`. It starts a Ray cluster of its own (its own temp dir, so no cluster's address file
+    is found there; `--address local` unless plain), so it never joins, nor disturbs, a cluster that
+    happens to run on this machine; with `address` it runs on that cluster instead, `env` added to its
+    environment.
     """
 
     def __init__(

@@ -41,6 +41,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     ),
 }
 
+
 @dataclass(frozen=True)
 class HubModel:
     """A model on the Hugging Face Hub, by its `org/name` id."""
@@ -127,19 +128,18 @@ def prepare_hub_model(repo_id: str, cache_dir: Path) -> Path:
         from huggingface_hub import snapshot_download
 
         print(f"Fetching {repo_id} from the Hugging Face Hub (done once per node) ...", flush=True)
-        staging = _staging_for(target)
-        try:
-            snapshot_download(repo_id, local_dir=staging, allow_patterns=_HUB_FILES)
-        except Exception as error:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise ModelNotFoundError(
-                f"model: could not fetch {repo_id!r} from the Hugging Face Hub on {socket.gethostname()}: "
-                f"{type(error).__name__}: {error}"
-            ) from None
-        if not (staging / "config.json").is_file():
-            shutil.rmtree(staging, ignore_errors=True)
-            raise ModelNotFoundError(f"model: the Hub model {repo_id!r} has no config.json: not a transformers model")
-        _publish(staging, target, repo_id)
+        with _staged(target, repo_id) as staging:
+            try:
+                snapshot_download(repo_id, local_dir=staging, allow_patterns=_HUB_FILES)
+            except Exception as error:
+                raise ModelNotFoundError(
+                    f"model: could not fetch {repo_id!r} from the Hugging Face Hub on {socket.gethostname()}: "
+                    f"{type(error).__name__}: {error}"
+                ) from None
+            if not (staging / "config.json").is_file():
+                raise ModelNotFoundError(
+                    f"model: the Hub model {repo_id!r} has no config.json: not a transformers model"
+                )
     return target
 
 
@@ -156,8 +156,7 @@ def _convert_gguf(gguf: Path, target: Path, architecture: str | None) -> Path:
 
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        staging = _staging_for(target)
-        try:
+        with _staged(target, gguf.name) as staging:
             config = model.config.to_dict()
             config.pop("quantization_config", None)
             config["architectures"] = [architecture or type(model).__name__]
@@ -166,10 +165,6 @@ def _convert_gguf(gguf: Path, target: Path, architecture: str | None) -> Path:
             model.generation_config.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             save_file(_untied_state_dict(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        _publish(staging, target, gguf.name)
     print(f"Prepared {target.name} in {target}", flush=True)
     return target
 
@@ -186,12 +181,16 @@ def _preparing(target: Path) -> Iterator[bool]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _staging_for(target: Path) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-
-
-def _publish(staging: Path, target: Path, origin: str) -> None:
-    """Mark `staging` prepared and move it to `target` (whatever half-made folder was there goes)."""
+@contextmanager
+def _staged(target: Path, origin: str) -> Iterator[Path]:
+    """A fresh folder beside `target` to prepare into: on success marked prepared (`origin` noted) and moved
+    to `target`, replacing whatever half-made folder was there; on failure removed."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     (staging / _READY_MARKER).write_text(origin)
     if target.exists():
         shutil.rmtree(target)
