@@ -12,11 +12,11 @@ from ray.serve import Application
 
 from deployments.engine import EngineDeployment
 from deployments.ingress import Ingress
+from deployments.model_copy import check_model
 from deployments.replica_board import ReplicaBoard
 from deployments.response_store import ResponseStoreDeployment
 from serve_app.config import AppConfig
 from serve_app.http.tenants import KEYS_ENV
-from serve_app.model.loader import model_source
 
 # Engine options whose defaults depend on the node a replica runs on: its cache folder
 # (`$SERVE_APP_CACHE_DIR` there, else ~/.cache/serve-app) and its device (`$SERVE_APP_DEVICE` there).
@@ -30,7 +30,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         config = AppConfig.from_args(args)
     except ValidationError as error:
         raise ValueError(f"invalid serve_app application args:\n{error}") from None
-    model_source(config.engine.model.name)
+    check_model(config.engine.model.name)
     # Every ingress replica must derive the same salts and know the same keys.
     server = config.server.model_copy(
         update={

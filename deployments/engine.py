@@ -12,6 +12,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.model_copy import model_here
 from deployments.placement import Placement
 from serve_app.config import AppConfig
 from serve_app.engine.calls import EngineCall
@@ -45,7 +46,9 @@ class EngineDeployment:
 
     def __init__(self, config: dict[str, Any], board: DeploymentHandle) -> None:
         app_config = AppConfig.model_validate(config)
-        self.engine = EngineProcess(Placement.of_this_actor().apply(app_config.engine))
+        model = app_config.engine.model
+        engine_config = app_config.engine.with_options(model=model_here(model.name, model.cache_dir))
+        self.engine = EngineProcess(Placement.of_this_actor().apply(engine_config))
         engine = self.engine
         self.info = ModelInfo(app_config.served_model_name, engine.max_model_len, engine.created, engine.tool_format)
         self._page_size = app_config.engine.cache.page_size

@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle
 
+from deployments.model_copy import model_here
 from deployments.response_store import RayResponses
 from serve_app.config import AppConfig
 from serve_app.engine.calls import CountTokens, EngineCall
@@ -139,7 +140,7 @@ class Ingress:
         server = app_config.server
         tenants = TenantDirectory.from_config(server.api_keys_file, server.cache_salt_secret)
         model = app_config.engine.model
-        prompts = PromptEncoder(resolve_model_path(model.name, model.cache_dir))
+        prompts = PromptEncoder(resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir))
         self.context = ServerContext(
             RayEngineClient(engine, board, prompts), server, tenants=tenants, responses=RayResponses(responses)
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -88,12 +89,13 @@ def engine_replica_pid(served_pid: int) -> int:
 class TwoNodeCluster:
     """A Ray cluster of two nodes on this machine, started as a user starts one: `ray start --head --block`
     (with its dashboard, which `serve deploy` talks to), then `ray start --address=... --block` for the
-    second raylet, one CPU each, the second with a resource of its own (`worker_node`) and a model cache
-    folder of its own (`SERVE_APP_CACHE_DIR`), as a machine of its own would have. Token
-    authentication stays on (Ray's default): every process that joins reads the cluster's token file
-    (`RAY_AUTH_TOKEN_PATH`), as another machine would after `ray get-auth-token` was copied to it."""
+    second raylet, one CPU each. The second has a resource of its own (`worker_node`), a model cache folder
+    of its own (`SERVE_APP_CACHE_DIR`) and, as a machine of its own would, does not see `head_only` (a
+    folder of the head's): it runs in a mount namespace of its own with an empty tmpfs over it. Token
+    authentication is on: every process that joins reads the cluster's token file (`RAY_AUTH_MODE=token`,
+    `RAY_AUTH_TOKEN_PATH`), as another machine would after `ray get-auth-token` was copied to it."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, head_only: Path) -> None:
         from serve_app.bench.servers import users_environment
 
         self.port = free_port()
@@ -118,9 +120,14 @@ class TwoNodeCluster:
             if self.head.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"ray start --head did not come up: {(workdir / 'head.log').read_text()[-2000:]}")
             time.sleep(0.2)
+        join = [ray, "start", f"--address={self.address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+                '--resources={"worker_node": 1}', "--block"]
+        # Root makes a mount namespace; anyone else a user namespace first, mapped to root inside it.
+        namespace = ["unshare", "--mount", "--propagation", "private"] if os.geteuid() == 0 else [
+            "unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
+        hide = f"mount -t tmpfs none {shlex.quote(str(head_only))} && exec {shlex.join(join)}"
         self.worker = subprocess.Popen(
-            [ray, "start", f"--address={self.address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-             '--resources={"worker_node": 1}', "--block"],
+            [*namespace, "sh", "-c", hide],
             stdout=self._logs[1], stderr=subprocess.STDOUT, start_new_session=True,
             env={**environ, "SERVE_APP_CACHE_DIR": str(self.worker_cache)},
         )

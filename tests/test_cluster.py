@@ -1,7 +1,8 @@
 """The app on a real two-node Ray cluster started first, as a user starts one (`ray start --head`, then
 `ray start --address=...` for a second raylet, one CPU each, token authentication on): `serve run
---address` onto it, autoscaling adds an engine replica on the other node under load (which prepares
-the model into that node's own cache folder) and removes it when idle, streams on a replica being
+--address` onto it, its model a folder only the head node has; autoscaling adds an engine replica on the
+other node under load (which copies the model from the head into that node's own cache folder) and
+removes it when idle, streams on a replica being
 scaled down finish, a killed replica's streams end with an error while the others finish, and a
 `serve deploy` of a changed config rolls the replicas under streams without dropping one.
 
@@ -11,11 +12,14 @@ reserves one CPU, and so runs one torch thread.
 
 from __future__ import annotations
 
+import filecmp
 import os
 import secrets
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
@@ -35,21 +39,29 @@ AUTOSCALED = {
     },
     "ray_actor_options": {"num_cpus": 1},  # one replica per node
 }
-ARGS = {"cache_tokens": 4096, "max_model_len": 1024}
+ARGS = {"cache_tokens": 4096, "max_model_len": 1024, "served_model_name": MODEL}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodeCluster]:
-    nodes = TwoNodeCluster(tmp_path_factory.mktemp("cluster"))
+def head_only(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
+    """A folder on the head node holding the model (its files linked from the prepared default's)."""
+    folder = tmp_path_factory.mktemp("head-only")
+    shutil.copytree(model_path, folder / "smollm2", copy_function=os.link)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, head_only: Path) -> Iterator[TwoNodeCluster]:
+    nodes = TwoNodeCluster(tmp_path_factory.mktemp("cluster"), head_only)
     yield nodes
     nodes.stop()
 
 
 @pytest.fixture(scope="module")
-def app(cluster: TwoNodeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
+def app(cluster: TwoNodeCluster, head_only: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
     run = ServeRun(
         tmp_path_factory.mktemp("cluster-app"), address=cluster.address, proxy_location="HeadOnly", env=cluster.env,
-        args=ARGS, deployments={"EngineDeployment": AUTOSCALED}, plain=True,
+        args={**ARGS, "model": str(head_only / "smollm2")}, deployments={"EngineDeployment": AUTOSCALED}, plain=True,
     )
     yield run
     run.stop()
@@ -102,15 +114,21 @@ def _load_until(condition: Callable[[], bool], pool: ThreadPoolExecutor, client:
     return streams
 
 
-def test_load_adds_a_replica_on_the_other_node_and_idle_removes_it(app: ServeRun, cluster: TwoNodeCluster) -> None:
+def test_load_adds_a_replica_on_the_other_node_and_idle_removes_it(
+    app: ServeRun, cluster: TwoNodeCluster, head_only: Path
+) -> None:
     client = openai_client(app.url)
     assert len(_replicas(app)) == 1
     with ThreadPoolExecutor(24) as pool:
         burst = _load_until(lambda: len(_replicas(app)) == 2, pool, client, 120, start=0)
         nodes = {stats["node_id"] for stats in _replicas(app).values()}
         assert len(nodes) == 2  # one replica per node
-        # The replica on the second node found no model there and prepared it into that node's own cache.
-        assert (cluster.worker_cache / "models" / MODEL / ".prepared").is_file()
+        # The replica on the second node, which cannot see the head's model folder, copied it from the head
+        # into that node's own cache folder.
+        copied = list((cluster.worker_cache / "models" / "copied").glob("smollm2-*"))
+        assert len(copied) == 1 and (copied[0] / ".prepared").is_file()
+        assert filecmp.cmp(copied[0] / "smollm2" / "model.safetensors", head_only / "smollm2" / "model.safetensors",
+                           shallow=False)
         worker_replicas = [proc for node, proc in cluster.engine_replicas() if node == "worker"]
         assert [proc.environ().get("SERVE_APP_CACHE_DIR") for proc in worker_replicas] == [str(cluster.worker_cache)]
         long = _load(pool, client, 2, 400, start=100)  # still running when the load drops below one replica's

@@ -14,8 +14,7 @@ import re
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,8 +86,7 @@ def model_source(name_or_path: str) -> EmbeddedModel | HubModel | Path:
     known = ", ".join(sorted(EMBEDDED_MODELS))
     raise ModelNotFoundError(
         f"model: {name_or_path!r} is neither an embedded model ({known}), a folder holding a Hugging Face "
-        f"config.json, a .gguf file nor a Hugging Face Hub id (org/name) on {socket.gethostname()}; "
-        "a local folder or file must be at that path on every node that runs a replica"
+        f"config.json, a .gguf file nor a Hugging Face Hub id (org/name) on {socket.gethostname()}"
     )
 
 
@@ -121,80 +119,70 @@ def prepare_gguf_file(gguf: Path, cache_dir: Path) -> Path:
 
 def prepare_hub_model(repo_id: str, cache_dir: Path) -> Path:
     """Fetch a Hugging Face Hub model's config, tokenizer and safetensors weights once into `cache_dir`."""
-    target = Path(cache_dir) / "models" / "hub" / repo_id.replace("/", "--")
-    with _preparing(target) as ready:
-        if ready:
-            return target
+
+    def fetch(staging: Path) -> None:
         from huggingface_hub import snapshot_download
 
         print(f"Fetching {repo_id} from the Hugging Face Hub (done once per node) ...", flush=True)
-        with _staged(target, repo_id) as staging:
-            try:
-                snapshot_download(repo_id, local_dir=staging, allow_patterns=_HUB_FILES)
-            except Exception as error:
-                raise ModelNotFoundError(
-                    f"model: could not fetch {repo_id!r} from the Hugging Face Hub on {socket.gethostname()}: "
-                    f"{type(error).__name__}: {error}"
-                ) from None
-            if not (staging / "config.json").is_file():
-                raise ModelNotFoundError(
-                    f"model: the Hub model {repo_id!r} has no config.json: not a transformers model"
-                )
-    return target
+        try:
+            snapshot_download(repo_id, local_dir=staging, allow_patterns=_HUB_FILES)
+        except Exception as error:
+            raise ModelNotFoundError(
+                f"model: could not fetch {repo_id!r} from the Hugging Face Hub on {socket.gethostname()}: "
+                f"{type(error).__name__}: {error}"
+            ) from None
+        if not (staging / "config.json").is_file():
+            raise ModelNotFoundError(f"model: the Hub model {repo_id!r} has no config.json: not a transformers model")
+
+    return prepare_once(Path(cache_dir) / "models" / "hub" / repo_id.replace("/", "--"), repo_id, fetch)
 
 
 def _convert_gguf(gguf: Path, target: Path, architecture: str | None) -> Path:
     """A float32 safetensors folder at `target` made from `gguf` (once; later calls find it ready)."""
-    with _preparing(target) as ready:
-        if ready:
-            return target
+
+    def convert(staging: Path) -> None:
         logger.info("preparing %s from %s (once)", target, gguf)
         print(f"Preparing {target.name} from {gguf.name} (done once) ...", flush=True)
-
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        with _staged(target, gguf.name) as staging:
-            config = model.config.to_dict()
-            config.pop("quantization_config", None)
-            config["architectures"] = [architecture or type(model).__name__]
-            config["dtype"] = "float32"
-            (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
-            model.generation_config.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            save_file(_untied_state_dict(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
-    print(f"Prepared {target.name} in {target}", flush=True)
-    return target
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [architecture or type(model).__name__]
+        config["dtype"] = "float32"
+        (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        save_file(_untied_state_dict(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
+        print(f"Prepared {target.name} in {target}", flush=True)
+
+    return prepare_once(target, gguf.name, convert)
 
 
-@contextmanager
-def _preparing(target: Path) -> Iterator[bool]:
-    """Hold this node's lock on preparing `target`; yields whether it is already prepared."""
+def prepare_once(target: Path, origin: str, fill: Callable[[Path], None]) -> Path:
+    """`target`, made once on this node: under this node's lock, unless already prepared, `fill` writes a fresh
+    folder beside it, which is then marked prepared (`origin` noted) and moved to `target` (replacing whatever
+    half-made folder was there). A `fill` that fails leaves nothing behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            yield (target / _READY_MARKER).is_file()
+            if not (target / _READY_MARKER).is_file():
+                staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+                try:
+                    fill(staging)
+                except BaseException:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    raise
+                (staging / _READY_MARKER).write_text(origin)
+                if target.exists():
+                    shutil.rmtree(target)
+                staging.rename(target)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-@contextmanager
-def _staged(target: Path, origin: str) -> Iterator[Path]:
-    """A fresh folder beside `target` to prepare into: on success marked prepared (`origin` noted) and moved
-    to `target`, replacing whatever half-made folder was there; on failure removed."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    (staging / _READY_MARKER).write_text(origin)
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
+    return target
 
 
 def _untied_state_dict(model) -> dict:
