@@ -26,13 +26,13 @@ def model_here(name: str, cache_dir: Path) -> str:
     path = Path(name).expanduser()
     if name in EMBEDDED_MODELS or not path.is_absolute() or path.exists():
         return name
-    owner = node_holding(path)
-    if owner is None:
-        raise ModelNotFoundError(f"model: {name} is on no node of the Ray cluster")
     key = hashlib.sha256(str(path).encode()).hexdigest()[:16]
     target = Path(cache_dir) / "models" / "copied" / f"{path.name}-{key}"
 
     def copy(staging: Path) -> None:
+        owner = node_holding(path)
+        if owner is None:
+            raise ModelNotFoundError(f"model: {name} is on no node of the Ray cluster")
         logger.info("copying the model %s from node %s into %s (once)", path, owner, target)
         files = ray.get(_on(owner, _list_files).remote(str(path)))
         for relative in files:  # a file's relative path is "": staging / name / "" is staging / name
@@ -43,7 +43,7 @@ def model_here(name: str, cache_dir: Path) -> str:
             with open(staging / path.name / relative, "ab") as out:
                 out.write(data)
 
-    return str(prepare_once(target, f"{owner}:{path}", copy) / path.name)
+    return str(prepare_once(target, str(path), copy) / path.name)
 
 
 def check_model(name: str) -> None:
