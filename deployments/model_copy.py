@@ -23,8 +23,8 @@ CHUNK_BYTES = 64 * 2**20
 def model_here(name: str, cache_dir: Path) -> str:
     """The `model` option as this node can load it: `name` itself, unless it is an absolute path missing
     here; then the path of this node's copy of it, copied once from a node that has it."""
-    path = Path(name).expanduser()
-    if name in EMBEDDED_MODELS or not path.is_absolute() or path.exists():
+    path = _absent_local_path(name)
+    if path is None:
         return name
     key = hashlib.sha256(str(path).encode()).hexdigest()[:16]
     target = Path(cache_dir) / "models" / "copied" / f"{path.name}-{key}"
@@ -49,9 +49,15 @@ def model_here(name: str, cache_dir: Path) -> str:
 def check_model(name: str) -> None:
     """Refuse a `model` option that names nothing loadable: an absolute path counts where any node of the
     cluster has it (its replicas elsewhere copy it), anything else as `model_source` judges it here."""
-    path = Path(name).expanduser()
-    if name in EMBEDDED_MODELS or not path.is_absolute() or path.exists() or node_holding(path) is None:
+    path = _absent_local_path(name)
+    if path is None or node_holding(path) is None:
         model_source(name)
+
+
+def _absent_local_path(name: str) -> Path | None:
+    """`name` as an absolute path this node lacks; None for anything else (a model here, a name, a Hub id)."""
+    path = Path(name).expanduser()
+    return None if name in EMBEDDED_MODELS or not path.is_absolute() or path.exists() else path
 
 
 def node_holding(path: Path) -> str | None:

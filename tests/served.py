@@ -18,7 +18,7 @@ import httpx
 import psutil
 import yaml
 
-from serve_app.bench.servers import ROOT, free_port
+from serve_app.bench.servers import ROOT, free_port, users_environment
 from tests.inprocess import MODEL, openai_client
 
 # How long the request router of the tests' `serve run`s follows the replica board after its last request.
@@ -75,15 +75,23 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def engine_replica_pid(served_pid: int) -> int:
-    """The engine replica's process among the descendants of a `serve run` process."""
-    for proc in psutil.Process(served_pid).children(recursive=True):
+def _engine_replicas_under(root_pid: int) -> list[psutil.Process]:
+    """The engine replicas' processes among the descendants of `root_pid`."""
+    found = []
+    for proc in psutil.Process(root_pid).children(recursive=True):
         try:
             if "ServeReplica:llm:EngineDeployment" in " ".join(proc.cmdline()):
-                return proc.pid
+                found.append(proc)
         except psutil.NoSuchProcess:
             continue
-    raise AssertionError("no engine replica process found under serve run")
+    return found
+
+
+def engine_replica_pid(served_pid: int) -> int:
+    """The engine replica's process among the descendants of a `serve run` process."""
+    replicas = _engine_replicas_under(served_pid)
+    assert replicas, "no engine replica process found under serve run"
+    return replicas[0].pid
 
 
 class TwoNodeCluster:
@@ -96,8 +104,6 @@ class TwoNodeCluster:
     `RAY_AUTH_TOKEN_PATH`), as another machine would after `ray get-auth-token` was copied to it."""
 
     def __init__(self, workdir: Path, head_only: Path) -> None:
-        from serve_app.bench.servers import users_environment
-
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard = f"http://127.0.0.1:{free_port()}"
@@ -135,8 +141,6 @@ class TwoNodeCluster:
     def serve_cli(self, *args: str, token: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         """A `serve` command against this cluster's dashboard, in a user's environment with the cluster's
         token (or the one in `token`)."""
-        from serve_app.bench.servers import users_environment
-
         serve = str(Path(sys.executable).parent / "serve")
         auth = {**self.env, **({"RAY_AUTH_TOKEN_PATH": str(token)} if token else {})}
         return subprocess.run(
@@ -146,15 +150,8 @@ class TwoNodeCluster:
 
     def engine_replicas(self) -> list[tuple[str, psutil.Process]]:
         """The engine replicas' processes, each with the node it runs on ("head" or "worker")."""
-        found = []
-        for node, root in (("head", self.head), ("worker", self.worker)):
-            for proc in psutil.Process(root.pid).children(recursive=True):
-                try:
-                    if "ServeReplica:llm:EngineDeployment" in " ".join(proc.cmdline()):
-                        found.append((node, proc))
-                except psutil.NoSuchProcess:
-                    continue
-        return found
+        nodes = (("head", self.head), ("worker", self.worker))
+        return [(node, proc) for node, root in nodes for proc in _engine_replicas_under(root.pid)]
 
     def stop(self) -> None:
         """Stop the two raylets this cluster started, each by its own process group."""
