@@ -15,6 +15,7 @@ from serve_app.bench.idle import wait_idle
 from serve_app.config import default_cache_dir
 from serve_app.model.loader import EMBEDDED_MODELS, prepare_embedded_model
 from tests.references import ReferenceModel
+from tests.tiny_models import build_tiny_model
 
 PROMPTS = [
     "A short one.",
@@ -40,6 +41,30 @@ def test_tiny_model_greedy_equals_transformers(arch: str, kv_cache: str, request
         wait_idle(eng.get_stats)
     finally:
         eng.shutdown()
+
+
+def test_a_sliding_window_bounds_the_context_and_decodes_as_transformers_does(tmp_path: Path, model_path: Path) -> None:
+    path = build_tiny_model(
+        "qwen3", tmp_path / "sliding", model_path, use_sliding_window=True, sliding_window=48, max_window_layers=0
+    )
+    with pytest.raises(ValueError, match="max_model_len: 64 exceeds the model's sliding_window of 48"):
+        InferenceEngine(model=str(path), max_model_len=64, cache_tokens=1024)
+    eng = InferenceEngine(model=str(path), page_size=8, cache_tokens=1024)
+    try:
+        assert eng.max_model_len == 48
+        ids = eng.tokenizer.encode(PROMPTS[1])[:20]
+        result = eng.submit(GenerateRequest(prompt=ids, max_tokens=28, temperature=0, ignore_eos=True)).wait(60)
+        assert result.token_ids == ReferenceModel(path).greedy(ids, 28)
+        with pytest.raises(ValueError, match="the context holds 48"):
+            eng.submit(GenerateRequest(prompt=ids, max_tokens=40))
+    finally:
+        eng.shutdown()
+
+
+def test_attention_variants_it_does_not_compute_are_refused_at_load(tmp_path: Path, model_path: Path) -> None:
+    path = build_tiny_model("gemma2", tmp_path / "softcapped", model_path, attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping: the model asks for logit softcapping"):
+        InferenceEngine(model=str(path), cache_tokens=1024)
 
 
 def test_qwen3_tiny_model_has_qk_norms(tiny_qwen3_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Tiny randomly initialised models (Llama and Qwen3 shapes) with the real tokenizer, for fast tests."""
+"""Tiny randomly initialised models (Llama, Qwen3 and Gemma2 shapes) with the real tokenizer, for fast tests."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
 
 
 def build_tiny_model(
-    kind: str, folder: Path, tokenizer_from: Path, seed: int = 0, chat_template: Path | None = None
+    kind: str, folder: Path, tokenizer_from: Path, seed: int = 0, chat_template: Path | None = None, **config_fields: object
 ) -> Path:
-    """Write a 2-layer model of `kind` ('llama' or 'qwen3') into `folder` and return it; `chat_template`
-    replaces the tokenizer's template."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    """Write a 2-layer model of `kind` ('llama', 'qwen3' or 'gemma2') into `folder` and return it; `chat_template`
+    replaces the tokenizer's template, `config_fields` set more of its config."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3Config
 
     common = dict(
         vocab_size=49152,
@@ -31,8 +31,9 @@ def build_tiny_model(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
+        **config_fields,
     )
-    config = Qwen3Config(**common) if kind == "qwen3" else LlamaConfig(**common)
+    config = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma2": Gemma2Config}[kind](**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)

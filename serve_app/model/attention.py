@@ -4,6 +4,11 @@ The step's `KVCacheView` (and the decode kernel) reach the attention through `st
 through the model's arguments, and the attention itself is a custom op (`serve_app::paged_attention`)
 on tensors only: `torch.compile` then traces the whole model as one graph with the attention an
 opaque call inside it, as vLLM treats its attention op.
+
+Of the attention variants transformers' model families pass to an attention function, a sliding
+window is honoured by bounding the context to it (`attention_window`: within its window, sliding-window
+attention is full attention); a model asking for any other (logit softcapping, attention sinks,
+chunked attention) is refused at load, naming its config field.
 """
 
 from __future__ import annotations
@@ -47,9 +52,16 @@ def kv_cache_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **_: object,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' side: `[1, heads, T, head_dim]` q, k, v (after RoPE) in, `[1, T, heads, head_dim]` out."""
+    """transformers' side: `[1, heads, T, head_dim]` q, k, v (after RoPE) in, `[1, T, heads, head_dim]` out.
+    A `sliding_window` is covered by the context bound the runner set (`attention_window`); the other
+    keyword arguments are the forward's own (positions and the like), which attention does not need."""
+    if softcap is not None or s_aux is not None:  # refused at load (`attention_window`); never computed wrong
+        raise ValueError("this attention has no logit softcapping and no attention sinks")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     queries, keys, values = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim]
     attend = torch.ops.serve_app.paged_attention if torch.compiler.is_compiling() else paged_attention_step
@@ -113,6 +125,31 @@ def paged_attention_step(
         )
         output[group.rows] = out[0].transpose(0, 1)
     return output
+
+
+# Config fields of attention variants this attention does not compute: a model that sets one is refused.
+_UNSUPPORTED_VARIANTS = {
+    "attn_logit_softcapping": "logit softcapping",
+    "attention_chunk_size": "chunked attention",
+    "sinks": "attention sinks",
+}
+
+
+def attention_window(model: torch.nn.Module) -> int | None:
+    """The smallest sliding window of the model's attention layers (None: every layer attends to the whole
+    context); ValueError naming the config field of a variant this attention does not compute."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for field, variant in _UNSUPPORTED_VARIANTS.items():
+        if getattr(config, field, None) is not None or any(
+            getattr(module, field, None) is not None for module in model.modules() if hasattr(module, "layer_idx")
+        ):
+            raise ValueError(f"{field}: the model asks for {variant}, which this server's attention does not compute")
+    windows = [
+        getattr(module, "sliding_window", getattr(config, "sliding_window", None))
+        for module in model.modules()
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj")
+    ]
+    return min((w for w in windows if w is not None), default=None)
 
 
 def no_mask(*_: object, **__: object) -> None:

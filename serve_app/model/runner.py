@@ -13,7 +13,7 @@ import torch
 from serve_app.config import ModelConfig
 from serve_app.kv.storage import KVShape, Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
-from serve_app.model.attention import register_attention, step_context
+from serve_app.model.attention import attention_window, register_attention, step_context
 from serve_app.model.decode_kernel import load_decode_kernel
 from serve_app.model.loader import resolve_model_path
 from serve_app.model.quantization import apply_quantization
@@ -48,6 +48,23 @@ class ForwardBatch:
     sample_rows: list[int]
 
 
+def _context(hf_config: Any, model: torch.nn.Module, asked: int | None) -> int:
+    """The context served: `asked`, else the model's, within its sliding window where it has one."""
+    context = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
+    if asked is not None and asked > context:
+        raise ValueError(f"max_model_len: {asked} exceeds the model's context of {context} tokens")
+    window = attention_window(model)
+    if window is not None and (asked or context) > window:
+        if asked is not None:
+            raise ValueError(
+                f"max_model_len: {asked} exceeds the model's sliding_window of {window} tokens (attention here covers "
+                "the whole context, which equals sliding-window attention within the window)"
+            )
+        logger.info("context bounded to the model's sliding_window of %d tokens", window)
+        return window
+    return asked or context
+
+
 class ModelRunner:
     """Owns the model, its tokenizer and the facts the cache needs (`kv_shape`, `max_model_len`)."""
 
@@ -66,14 +83,11 @@ class ModelRunner:
         eos = getattr(generation, "eos_token_id", None) if generation is not None else None
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.tokenizer = Tokenizer(self.path, extra_eos_token_ids=eos_ids)
-        context = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 2048
-        if config.max_model_len is not None and config.max_model_len > context:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context of {context} tokens")
-        self.max_model_len = config.max_model_len or context
         self.model = AutoModelForCausalLM.from_pretrained(
             self.path, dtype=self.dtype, attn_implementation=register_attention()
         ).to(self.device)
         self.model.eval()
+        self.max_model_len = _context(hf_config, self.model, config.max_model_len)
         self.model = apply_quantization(self.model, config.quantization, self.device, config.cache_dir)
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         n_heads = text_config.num_attention_heads
