@@ -163,6 +163,11 @@ class ServerConfig(_Strict):
     max_stop_length: int = Field(256, ge=1, description="characters per stop sequence at most")
     max_messages: int = Field(1024, ge=1, description="chat messages per request at most")
     max_output_tokens: int | None = Field(None, ge=1, description="new tokens per request at most; None: the context")
+    max_constrained_tokens: int | None = Field(
+        1024, ge=1,
+        description="a request that sets no output-token limit: its tokens inside constrained JSON (its tool calls, "
+        "or a JSON answer) at most, then it ends as cut by the limit; None: no such bound",
+    )
     max_concurrent_per_tenant: int = Field(256, ge=1, description="a tenant's requests in flight per ingress; 429 past it")
     api_keys_file: str | None = Field(
         None, description="YAML or JSON: API key -> {tenant, role}; default: the file SERVE_APP_API_KEYS names"
@@ -182,7 +187,15 @@ class AppConfig(_Strict):
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
+        """The config the args give; ValueError naming a key that is neither an engine nor a server option,
+        with both lists."""
         args = dict(args or {})
+        unknown = [key for key in args if key not in _FLAT_KEYS and key not in ServerConfig.model_fields]
+        if unknown:
+            raise ValueError(
+                f"unknown application arg {unknown[0]!r}; engine options: {', '.join(sorted(_FLAT_KEYS))}; "
+                f"server options: {', '.join(sorted(ServerConfig.model_fields))}"
+            )
         server = {key: args.pop(key) for key in list(args) if key in ServerConfig.model_fields}
         return cls(engine=EngineConfig.from_options(**args), server=ServerConfig(**server))
 

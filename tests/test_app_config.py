@@ -31,7 +31,8 @@ def test_serve_config_yaml_is_a_serve_config_whose_args_validate() -> None:
     [
         ({"page_size": 0}, "page_size"),
         ({"kv_cache": "ring"}, "kind"),
-        ({"cache_tokenz": 10}, "unknown engine option 'cache_tokenz'"),
+        ({"cache_tokenz": 10}, "unknown application arg 'cache_tokenz'; engine options: .*cache_tokens"),
+        ({"served_model_nam": "m"}, "unknown application arg 'served_model_nam'.* server options: .*served_model_name"),
         ({"max_request_bytes": "lots"}, "max_request_bytes"),
         ({"model": "/no/such/folder"}, "neither an embedded model"),
     ],
