@@ -22,7 +22,7 @@ from serve_app.http.engine_client import ModelInfo
 from serve_app.http.protocols.anthropic import MessagesBuilder
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.http.tools import format_for
-from serve_app.http.tools.plan import ToolSpec, plan
+from serve_app.http.tools.plan import ParsedOutput, ToolSpec, plan, read_answer
 from serve_app.model.tokenizer import template_tool_format
 from tests.inprocess import (
     MODEL,
@@ -148,22 +148,28 @@ def test_auto_lets_text_come_first_and_holds_calls_to_their_schemas(hermes: Infe
     assert not off_schema.accept_string('<tool_call>\n{"name": "get_weather", "arguments": {"town": ')
 
 
+def _parse(name: str, text: str, id_prefix: str = "call_") -> ParsedOutput:
+    constraint = format_for(name).constraint(plan([ToolSpec("a", "", {})], "auto"))
+    return read_answer(constraint, text, True, id_prefix)
+
+
 def test_calls_are_read_back_with_the_text_around_them() -> None:
-    hermes = format_for("hermes").parse(
+    hermes = _parse(
+        "hermes",
         'Checking both.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', "call_"
+        '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>',
     )
     assert hermes.content == "Checking both." and [(c.name, json.loads(c.arguments)) for c in hermes.calls] == [
         ("a", {"x": 1}), ("b", {}),
     ]
-    llama = format_for("llama3_json").parse(
-        '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"y": "z"}}', "toolu_"
+    llama = _parse(
+        "llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"y": "z"}}', "toolu_"
     )
     assert llama.content is None and [c.name for c in llama.calls] == ["a", "b"]
     assert all(c.id.startswith("toolu_") for c in llama.calls)
-    broken = format_for("hermes").parse('<tool_call>\n{"name": "a", "argu\n</tool_call>', "call_")
+    broken = _parse("hermes", '<tool_call>\n{"name": "a", "argu\n</tool_call>')
     assert broken.calls == () and broken.content.startswith("<tool_call>")
-    assert format_for("llama3_json").parse("no calls here", "call_").calls == ()
+    assert _parse("llama3_json", "no calls here").calls == ()
 
 
 # -- the OpenAI SDK ---------------------------------------------------------------------------------------------

@@ -295,3 +295,74 @@ def test_anthropic_output_config_format_and_its_refusals(claude: anthropic.Anthr
     thinking = httpx.post(url, json={**base, "thinking": {"type": "enabled", "budget_tokens": 1024}}, timeout=60)
     assert thinking.status_code == 400 and "thinking" in thinking.json()["error"]["message"]
     assert httpx.post(url, json=base, timeout=60).status_code == 200
+
+
+# -- bounds beyond the grammar: one string's tokens, the constrained part's tokens -----------------------------
+
+STORY = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+
+
+def _story(engine: InferenceEngine, **limits: int) -> GenerateRequest:
+    return GenerateRequest(
+        messages=[{"role": "user", "content": "Describe Paris in detail."}], max_tokens=120,
+        temperature=0, structured_output=StructuredOutput(json=STORY), **limits,
+    )
+
+
+def test_max_string_tokens_closes_a_long_string_and_the_answer_stays_whole(engine: InferenceEngine) -> None:
+    runaway = engine.submit(_story(engine)).wait(120)
+    assert runaway.finish_reason == "length"  # the packaged model keeps writing inside the string
+    bounded = engine.submit(_story(engine, max_string_tokens=10)).wait(120)
+    assert bounded.finish_reason == "stop", bounded.text
+    story = json.loads(bounded.text)["story"]
+    assert runaway.text.startswith(bounded.text[: bounded.text.index(story) + len(story)])  # the same words, closed
+    assert len(bounded.token_ids) <= 20  # the key, 10 tokens of string, its close, the end
+
+
+def test_max_constrained_tokens_ends_a_json_answer_as_cut(engine: InferenceEngine) -> None:
+    result = engine.submit(_story(engine, max_constrained_tokens=16)).wait(120)
+    assert result.finish_reason == "length" and len(result.token_ids) == 16
+
+
+@pytest.mark.parametrize("field", ["max_string_tokens", "max_constrained_tokens"])
+@pytest.mark.parametrize("constraint", [None, StructuredOutput(regex="[a-z]+")], ids=["none", "regex"])
+def test_the_bounds_of_a_json_answer_need_one(engine: InferenceEngine, field: str, constraint) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.submit(GenerateRequest(prompt="Hello", structured_output=constraint, **{field: 4}))
+    assert refused.value.param == field
+
+
+def test_xgrammar_enforces_max_length_and_max_items(engine: InferenceEngine) -> None:
+    short = engine.grammars.matcher(StructuredOutput(json={"type": "string", "maxLength": 5}))
+    assert short.accept_string('"abcde') and not short.accept_string("f") and short.accept_string('"')
+    few = engine.grammars.matcher(StructuredOutput(json={"type": "array", "items": {"type": "integer"}, "maxItems": 2}))
+    assert few.accept_string("[1, 2") and not few.accept_string(", ") and few.accept_string("]")
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 4}),
+    ],
+)
+def test_max_string_tokens_without_a_json_answer_is_a_400_naming_it(server: InProcessServer, path: str, body: dict) -> None:
+    resp = httpx.post(f"{server.url}{path}", json={"model": MODEL, "max_string_tokens": 8, **body}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert "max_string_tokens" in error["message"] and error.get("param", "max_string_tokens") == "max_string_tokens"
+
+
+def test_the_servers_bound_on_constrained_tokens_holds_when_the_request_sets_none(engine: InferenceEngine) -> None:
+    from serve_app.config import ServerConfig
+    from tests.inprocess import engine_server, openai_client
+
+    with engine_server(engine, ServerConfig(max_constrained_tokens=16)) as bounded:
+        client = openai_client(bounded.url)
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": "Describe Paris in detail."}],
+                   response_format={"type": "json_schema", "json_schema": {"name": "story", "schema": STORY}}, temperature=0)
+        unset = client.chat.completions.create(**ask)
+        assert unset.choices[0].finish_reason == "length" and unset.usage.completion_tokens == 16
+        asked = client.chat.completions.create(**ask, max_tokens=40)
+        assert asked.usage.completion_tokens == 40  # a request's own limit wins

@@ -133,6 +133,7 @@ class InferenceEngine:
         params = request.sampling
         # Compiling a grammar takes milliseconds to a second: here, never on the scheduler thread.
         matcher = self.grammars.matcher(request.structured_output) if request.structured_output else None
+        guard = self.grammars.guard(request)
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
@@ -156,6 +157,7 @@ class InferenceEngine:
             generator=generator,
             logprobs=request.logprobs,
             matcher=matcher,
+            guard=guard,
         )
         self.scheduler.submit(task)
         return result

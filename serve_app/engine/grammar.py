@@ -3,8 +3,9 @@ and a `GrammarMatcher` per request masks the logits of each step to the tokens t
 
 Compiling happens where a request is submitted, never on the scheduler thread, and equal
 constraints compile once (xgrammar's cache). JSON is compiled without free whitespace, so a small
-model cannot fill `max_tokens` with spaces. Tool calls in a template's own format are xgrammar's
-structural tags for that format (`get_model_structural_tag`).
+model cannot fill `max_tokens` with spaces. Tool calls in the generic format are a JSON schema (the
+calls, or the answer); in a template's own format, xgrammar's structural tag for that format
+(`get_model_structural_tag`), or that tag's calls beside the answer's schema.
 """
 
 from __future__ import annotations
@@ -17,14 +18,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from serve_app.engine.answer_guard import AnswerGuard
+from serve_app.engine.answer_reader import reader_for
 from serve_app.engine.structured_output import StructuredOutput, ToolCallGrammar
 from serve_app.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import xgrammar
 
+    from serve_app.engine.request import GenerateRequest
+
 # Our tool-call formats as xgrammar's structural-tag builders name them.
 _XGRAMMAR_MODEL = {"hermes": "qwen_3", "llama3_json": "llama"}
+# Calls in one generic-format answer at most (a small model otherwise repeats a call until `max_tokens`).
+MAX_PARALLEL_CALLS = 4
 
 # xgrammar's errors start with a timestamp and a source location; the client needs only the rest.
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -39,6 +46,8 @@ class GrammarCompiler:
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._lock = threading.Lock()
+        quote = hf_tokenizer.encode('"', add_special_tokens=False)  # type: ignore[attr-defined]
+        self.quote_token: int | None = quote[0] if len(quote) == 1 else None  # closes a JSON string in one token
 
     def _xgrammar(self) -> xgrammar.GrammarCompiler:
         with self._lock:
@@ -65,6 +74,8 @@ class GrammarCompiler:
                 case "choice":
                     alternatives = " | ".join(json.dumps(choice) for choice in spec.choice or ())
                     compiled = compiler.compile_grammar(f"root ::= {alternatives}")
+                case "tool_calls" if spec.tool_calls is not None and spec.tool_calls.format == "generic":
+                    compiled = compiler.compile_json_schema(json.dumps(_generic_schema(spec.tool_calls)), any_whitespace=False)
                 case "tool_calls":
                     compiled = compiler.compile_structural_tag(_structural_tag(spec.tool_calls))
                 case _:
@@ -74,30 +85,94 @@ class GrammarCompiler:
             raise InvalidRequestError(spec.param, f"cannot be enforced: {message}") from None
         return xgrammar.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids)
 
-    def mask(self, logits: torch.Tensor, matchers: Sequence[xgrammar.GrammarMatcher | None]) -> torch.Tensor:
-        """`logits` [rows, vocab] with each constrained row's disallowed tokens at -inf (a copy)."""
+    def guard(self, request: GenerateRequest) -> AnswerGuard | None:
+        """What holds `request`'s answer beyond its grammar (a JSON or tool-call answer's repeats and
+        lengths); InvalidRequestError where it sets a JSON answer's limit without one."""
+        spec = request.structured_output
+        reader = reader_for(spec) if spec is not None else None
+        limits = {"max_string_tokens": request.max_string_tokens, "max_constrained_tokens": request.max_constrained_tokens}
+        for name, value in limits.items():
+            if value is not None and reader is None:
+                raise InvalidRequestError(name, "applies to a JSON answer: give it with a JSON schema, json_object or tools")
+        if request.max_string_tokens is not None and self.quote_token is None:
+            raise InvalidRequestError("max_string_tokens", "this tokenizer has no single token that closes a string")
+        if reader is None:
+            return None
+        return AnswerGuard(reader, self.quote_token, request.max_string_tokens, request.max_constrained_tokens)
+
+    def mask(
+        self,
+        logits: torch.Tensor,
+        matchers: Sequence[xgrammar.GrammarMatcher | None],
+        forced: Sequence[int | None] = (),
+    ) -> torch.Tensor:
+        """`logits` [rows, vocab] with each constrained row's disallowed tokens at -inf (a copy); a row with a
+        `forced` token allows only that one, where its grammar allows it."""
         import xgrammar
 
         rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
         bitmask = xgrammar.allocate_token_bitmask(len(matchers), self.vocab_size)
         for row in rows:
             matchers[row].fill_next_token_bitmask(bitmask, row)
+        for row, token in enumerate(forced):
+            if token is not None and matchers[row] is not None and _allows(bitmask[row], token):
+                bitmask[row] = 0
+                bitmask[row, token // 32] = _bit(token)
         masked = logits.clone()
         xgrammar.apply_token_bitmask_inplace(masked, bitmask.to(masked.device), vocab_size=self.vocab_size, indices=rows)
         return masked
 
 
+def _allows(row: torch.Tensor, token: int) -> bool:
+    """Whether a bitmask row (32 tokens per int32 word) allows `token`."""
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def _bit(token: int) -> int:
+    """`token`'s bit in its int32 word, as a signed value."""
+    bit = 1 << (token % 32)
+    return bit - (1 << 32) if bit >= 1 << 31 else bit
+
+
+def _generic_schema(spec: ToolCallGrammar) -> dict:
+    """The generic format's JSON schema: `{"tool_calls": [...]}` (each call's arguments matching its tool),
+    or, under `auto`, `{"response": ...}` (a string, or JSON matching the answer's schema)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in spec.tools
+    ]
+    most = MAX_PARALLEL_CALLS if spec.parallel else 1
+    call_list = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "maxItems": most}
+    with_calls = {
+        "type": "object", "properties": {"tool_calls": call_list}, "required": ["tool_calls"], "additionalProperties": False,
+    }
+    if spec.mode != "auto":
+        return with_calls
+    answer = spec.answer_schema if spec.answer_schema is not None else {"type": "string"}
+    plain = {"type": "object", "properties": {"response": answer}, "required": ["response"], "additionalProperties": False}
+    return {"anyOf": [with_calls, plain]}
+
+
 def _structural_tag(spec: ToolCallGrammar | None) -> xgrammar.StructuralTag:
     """The structural tag of `spec`'s format: free text where `auto` allows it (the template's own
-    special tokens included), whitespace runs capped inside the arguments."""
+    special tokens included), whitespace runs capped inside the arguments; with an answer schema, the
+    answer is JSON matching it or calls."""
     import xgrammar
+    from xgrammar.structural_tag import JSONSchemaFormat, OrFormat
 
     assert spec is not None
     tools = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}} for t in spec.tools]
     choice: str | dict = spec.mode
     if spec.mode == "named":
         choice = {"type": "function", "function": {"name": spec.tools[0].name}}
-    return xgrammar.get_model_structural_tag(
+    if spec.answer_schema is not None:
+        choice = "required"
+    tag = xgrammar.get_model_structural_tag(
         _XGRAMMAR_MODEL[spec.format],
         tools=tools,
         tool_choice=choice,
@@ -106,3 +181,7 @@ def _structural_tag(spec: ToolCallGrammar | None) -> xgrammar.StructuralTag:
         max_whitespace_cnt=1,
         parallel_tool_calls=spec.parallel,
     )
+    if spec.answer_schema is None:
+        return tag
+    answer = JSONSchemaFormat(json_schema=spec.answer_schema, max_whitespace_cnt=1)
+    return tag.model_copy(update={"format": OrFormat(elements=[answer, tag.format])})

@@ -34,6 +34,16 @@ class GenerateRequest(BaseModel):
     cache_salt: str = ""
     logprobs: int | None = Field(None, ge=0, le=20, description="also return each token's logprob and this many top ones")
     structured_output: StructuredOutput | None = Field(None, description="what the output must match, enforced per token")
+    max_string_tokens: int | None = Field(
+        None, ge=1,
+        description="a JSON string of the answer is closed after this many tokens, where its grammar lets it end "
+        "(a JSON or tool-call answer only)",
+    )
+    max_constrained_tokens: int | None = Field(
+        None, ge=1,
+        description="the answer ends (length) after this many tokens inside its constrained JSON: its calls, "
+        "or the whole of a JSON answer (a JSON or tool-call answer only)",
+    )
 
     @model_validator(mode="before")
     @classmethod

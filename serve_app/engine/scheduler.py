@@ -252,7 +252,11 @@ class InferenceScheduler:
             output_ids=[t.output_ids if t.params.has_penalties else () for t in tasks],
         )
         matchers = [t.matcher for t in tasks]
-        constrained = self.grammars.mask(logits, matchers) if any(m is not None for m in matchers) else logits
+        if any(m is not None for m in matchers):
+            forced = [t.guard.forced_token if t.guard is not None else None for t in tasks]
+            constrained = self.grammars.mask(logits, matchers, forced)
+        else:
+            constrained = logits
         next_tokens = self.sampler(constrained, batch)
         logprobs = self._logprobs(logits, next_tokens, tasks)
         for task, token, logprob in zip(tasks, next_tokens.tolist(), logprobs):

@@ -9,8 +9,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from serve_app.config import ToolFormat
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
-ToolCallFormat = Literal["hermes", "llama3_json"]
 
 
 class FunctionTool(BaseModel):
@@ -21,16 +22,26 @@ class FunctionTool(BaseModel):
 
 
 class ToolCallGrammar(BaseModel):
-    """Tool calls in a chat template's own format: `auto` lets text come first and calls follow, whose
-    arguments match their tool's schema; `required` starts with a call; `named` is one call of the only
-    tool given; `parallel` false ends the output after one call."""
+    """Tool calls in a tool-call format (the generic JSON one, or a chat template's own), each call's
+    arguments matching its tool's schema: `auto` lets the answer be text (or, with `answer_schema`, JSON
+    matching it) or calls (in a template's format, after any text); `required` is calls only; `named` is
+    one call of the only tool given; `parallel` false ends the output after one call."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format: ToolCallFormat
+    format: ToolFormat
     tools: list[FunctionTool] = Field(min_length=1)
     mode: Literal["auto", "required", "named"]
     parallel: bool = True
+    answer_schema: dict[str, Any] | None = Field(
+        None, description="what an answer that calls nothing must match (a JSON schema), `auto` only"
+    )
+
+    @model_validator(mode="after")
+    def _answer_schema_with_auto(self) -> ToolCallGrammar:
+        if self.answer_schema is not None and self.mode != "auto":
+            raise ValueError("answer_schema: only an `auto` answer may be other than calls")
+        return self
 
 
 class StructuredOutput(BaseModel):

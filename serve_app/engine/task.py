@@ -17,9 +17,12 @@ from serve_app.engine.request import (
 from serve_app.engine.sampling import SamplingParams
 from serve_app.engine.stopping import StopStringMatcher
 
+from serve_app.model.detokenizer import IncrementalDetokenizer
+
 if TYPE_CHECKING:
     import xgrammar
-from serve_app.model.detokenizer import IncrementalDetokenizer
+
+    from serve_app.engine.answer_guard import AnswerGuard
 
 
 class TaskState(enum.Enum):
@@ -45,6 +48,7 @@ class Task:
     generator: torch.Generator | None = None
     logprobs: int | None = None
     matcher: xgrammar.GrammarMatcher | None = None  # a structured-output request's grammar state
+    guard: AnswerGuard | None = None  # a JSON or tool-call answer's repeats and lengths
     state: TaskState = TaskState.WAITING
     num_computed: int = 0
     admitted_once: bool = False
@@ -68,7 +72,8 @@ class Task:
     def accept(self, token: int, max_model_len: int, logprob: TokenLogprob | None = None) -> StreamDelta:
         """Append a sampled token; return the text it adds and, when it ends the task, why.
 
-        A structured-output task whose grammar has just ended stops here, `ignore_eos` or not.
+        A structured-output task whose grammar has just ended stops here, `ignore_eos` or not; so does one
+        whose guard ends it (a repeated call, its constrained tokens spent).
         """
         if self.matcher is not None and not self.matcher.accept_token(token):
             return StreamDelta("", (), "error", error=f"token {token} was sampled outside the request's grammar")
@@ -78,7 +83,10 @@ class Task:
             return self.closing_delta("stop", (token,), logprobs=logprobs)
         if token in self.stop_token_ids:
             return self.closing_delta("stop", (token,), logprobs=logprobs)
-        text = self.stop_strings.feed(self.detokenizer.push(token))
+        piece = self.detokenizer.push(token)
+        if self.guard is not None and (reason := self.guard.after(piece)) is not None:
+            return self.closing_delta(reason, (token,), self.stop_strings.feed(piece), logprobs)
+        text = self.stop_strings.feed(piece)
         if self.stop_strings.matched is not None:
             return StreamDelta(text, (token,), "stop", logprobs, stop_string=self.stop_strings.matched)
         if self.num_output >= self.max_tokens or self.num_tokens >= max_model_len:

@@ -34,6 +34,8 @@ from serve_app.http.tools.plan import (
     ToolSpec,
     Turn,
     plan,
+    read_answer,
+    tool_answer_reader,
 )
 from serve_app.http.tools.stream import (
     ArgumentsDelta,
@@ -177,18 +179,15 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
+    max_string_tokens: int | None = Field(None, ge=1)
 
     def output_constraint(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> StructuredOutput | None:
-        """The grammar of the answer: the tool-call format's, or `output_config.format`'s."""
-        has_format = self.output_config is not None and self.output_config.format is not None
+        """The grammar of the answer: the tool-call format's (`output_config.format` holding an answer
+        that uses no tool), or `output_config.format`'s."""
+        schema = self.output_config.format.schema_ if self.output_config and self.output_config.format else None
         if tool_plan is not None:
-            if has_format:
-                raise invalid("tools: a tool use's format cannot be combined with output_config.format", "tools")
-            return tools.constraint(tool_plan)
-        if not has_format:
-            return None
-        schema = self.output_config.format.schema_
-        return StructuredOutput(json=schema, param="output_config.format.schema")
+            return tools.constraint(tool_plan, schema)
+        return StructuredOutput(json=schema, param="output_config.format.schema") if schema is not None else None
 
 
 # Fields of Anthropic's API that this server does not implement: a 400 naming them.
@@ -209,16 +208,14 @@ def parse(model: type[BaseModel], body: Any, served: ModelInfo) -> Any:
     return req
 
 
-def _tool_blocks(tools: ToolCallFormat, choice: Choice) -> tuple[list[dict[str, Any]], str]:
-    """A tool-mode answer's content blocks and stop reason: its text, then `tool_use` blocks."""
-    if choice.finish_reason != "stop":  # cut short: the raw text, as far as it went
-        return [{"type": "text", "text": choice.text}], _stop_reason(choice)
-    parsed = tools.parse(choice.text, "toolu_")
+def _tool_blocks(constraint: StructuredOutput, choice: Choice) -> tuple[list[dict[str, Any]], str]:
+    """A tool-mode answer's content blocks and stop reason: its text, then a `tool_use` block per whole call."""
+    parsed = read_answer(constraint, choice.text, choice.complete, "toolu_")
     text = [{"type": "text", "text": parsed.content}] if parsed.content else []
     if not parsed.calls:
-        return text or [{"type": "text", "text": ""}], "end_turn"
+        return text or [{"type": "text", "text": ""}], _stop_reason(choice)
     uses = [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in parsed.calls]
-    return [*text, *uses], "tool_use"
+    return [*text, *uses], "tool_use" if choice.complete else _stop_reason(choice)
 
 
 def _block_start(index: int, block: dict[str, Any]) -> str:
@@ -227,17 +224,22 @@ def _block_start(index: int, block: dict[str, Any]) -> str:
 
 class _BlockStream:
     """A tool-mode answer's content blocks as Anthropic streams them: a text block while text comes,
-    a `tool_use` block for each call (its input in `input_json_delta` pieces), each stopped as the
+    a `tool_use` block for each whole call (its input in one `input_json_delta`), each stopped as the
     next one starts."""
 
-    def __init__(self, tools: ToolCallFormat) -> None:
-        self.answer = ToolStream(tools, "toolu_")
+    def __init__(self, constraint: StructuredOutput) -> None:
+        self.constraint = constraint
+        self.answer = ToolStream(tool_answer_reader(constraint), "toolu_")
         self.blocks = 0
         self.open: str | None = None  # the open block's type
 
-    def update(self, text: str, final: bool) -> list[str]:
+    def update(self, text: str, finished: Choice | None = None) -> list[str]:
+        """The events of the answer's next piece, `text`; with `finished`, the choice it ends, those of its end."""
         events: list[str] = []
-        for event in self.answer.update(text, final):
+        settled = self.answer.feed(text)
+        if finished is not None:
+            settled += self.answer.finish(finished.complete)
+        for event in settled:
             match event:
                 case TextDelta(piece):
                     if self.open != "text":
@@ -295,8 +297,10 @@ class MessagesBuilder(ResponseBuilder):
             sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
             stop=list(req.stop_sequences or []),
             structured_output=req.output_constraint(tools, tool_plan),
+            max_string_tokens=req.max_string_tokens,
         )
-        options = {"blocks": _BlockStream(tools) if tool_plan is not None else None}  # a tool-mode answer's
+        constraint = request.structured_output
+        options = {"blocks": _BlockStream(constraint) if tool_plan is not None and constraint else None}  # a tool-mode answer's
         return PreparedRequest(requests=[request], stream=req.stream, model=req.model, options=options)
 
     def _message(self, prepared: PreparedRequest, content: list[dict[str, Any]], choice: Choice, final: bool) -> dict[str, Any]:
@@ -323,8 +327,9 @@ class MessagesBuilder(ResponseBuilder):
     def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
         blocks: _BlockStream | None = prepared.options["blocks"]
         if blocks is not None:
-            final = delta.finish_reason is not None and delta.finish_reason != "error"
-            return blocks.update(choice.text, final)
+            if delta.finish_reason == "error":
+                return []
+            return blocks.update(delta.text, choice if delta.finish_reason is not None else None)
         if not delta.text:
             return []
         return [
@@ -341,7 +346,7 @@ class MessagesBuilder(ResponseBuilder):
         blocks: _BlockStream | None = prepared.options["blocks"]
         if blocks is not None:
             events = blocks.close()
-            stop_reason = "tool_use" if blocks.answer.called and choice.finish_reason == "stop" else _stop_reason(choice)
+            stop_reason = "tool_use" if blocks.answer.called and choice.complete else _stop_reason(choice)
         else:
             events, stop_reason = [sse({"type": "content_block_stop", "index": 0}, "content_block_stop")], _stop_reason(choice)
         return [
@@ -362,7 +367,7 @@ class MessagesBuilder(ResponseBuilder):
         stream: _BlockStream | None = prepared.options["blocks"]
         if stream is None:
             return self._message(prepared, [{"type": "text", "text": choice.text}], choice, final=True)
-        blocks, stop_reason = _tool_blocks(stream.answer.tools, choice)
+        blocks, stop_reason = _tool_blocks(stream.constraint, choice)
         return {**self._message(prepared, blocks, choice, final=True), "stop_reason": stop_reason}
 
     def format_error(self, error: ProtocolError) -> dict[str, Any]:

@@ -57,6 +57,11 @@ class Choice:
     usage: Usage | None = None
     error: str | None = None
 
+    @property
+    def complete(self) -> bool:
+        """Whether it ended where the model or its grammar ended it (not cut by a token limit or a stop sequence)."""
+        return self.finish_reason == "stop" and self.stop_string is None
+
     def add(self, delta: StreamDelta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serve_app.config import ServerConfig
+from serve_app.engine.request import GenerateRequest
 from serve_app.http.protocols.base import PreparedRequest
 from serve_app.http.protocols.errors import invalid
 
@@ -16,6 +17,7 @@ class RequestLimits:
     max_stop_length: int = 256
     max_messages: int = 1024
     max_output_tokens: int | None = None
+    max_constrained_tokens: int | None = None
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> RequestLimits:
@@ -25,6 +27,7 @@ class RequestLimits:
             max_stop_length=config.max_stop_length,
             max_messages=config.max_messages,
             max_output_tokens=config.max_output_tokens,
+            max_constrained_tokens=config.max_constrained_tokens,
         )
 
     def apply(
@@ -35,7 +38,8 @@ class RequestLimits:
         messages_param: str = "messages",
     ) -> PreparedRequest:
         """Check `prepared` against the limits (each error naming the field as the protocol calls it); a
-        request without `max_tokens` gets `max_output_tokens`."""
+        request without `max_tokens` gets `max_output_tokens`, and a JSON or tool-call answer's constrained
+        part `max_constrained_tokens`."""
         if prepared.choices_per_prompt > self.max_n:
             raise invalid(f"n: {prepared.choices_per_prompt} choices are over max_n={self.max_n}", "n")
         first = prepared.requests[0]
@@ -55,9 +59,12 @@ class RequestLimits:
                 f"{messages_param}: {len(first.messages)} messages are over max_messages={self.max_messages}",
                 messages_param,
             )
+        asked = first.max_tokens
+        if asked is None and self.max_constrained_tokens is not None and _json_answer(first):
+            bound = {"max_constrained_tokens": self.max_constrained_tokens}
+            prepared.requests = [r.model_copy(update=bound) for r in prepared.requests]
         if self.max_output_tokens is None:
             return prepared
-        asked = first.max_tokens
         if asked is not None and asked > self.max_output_tokens:
             raise invalid(
                 f"{max_tokens_param}: {asked} is over max_output_tokens={self.max_output_tokens}", max_tokens_param
@@ -65,3 +72,9 @@ class RequestLimits:
         if asked is None:
             prepared.requests = [r.model_copy(update={"max_tokens": self.max_output_tokens}) for r in prepared.requests]
         return prepared
+
+
+def _json_answer(request: GenerateRequest) -> bool:
+    """Whether the request's answer is JSON or tool calls (what `max_constrained_tokens` bounds)."""
+    spec = request.structured_output
+    return spec is not None and spec.kind in ("json", "json_object", "tool_calls")

@@ -45,6 +45,8 @@ from serve_app.http.tools.plan import (
     ToolSpec,
     Turn,
     plan,
+    read_answer,
+    tool_answer_reader,
 )
 from serve_app.http.tools.stream import (
     ArgumentsDelta,
@@ -174,6 +176,12 @@ class ResponseFormat(BaseModel):
             raise ValueError("json_schema: give it exactly when type is json_schema")
         return self
 
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema an answer in this format matches (None: free text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.schema_ if self.json_schema is not None else None
+
     def to_engine(self) -> StructuredOutput | None:
         if self.type == "json_object":
             return _structured(param="response_format", json_object=True)
@@ -211,6 +219,7 @@ class _SamplingFields(_Lenient):
     cache_salt: str | None = None
     user: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    max_string_tokens: int | None = Field(None, ge=1)
 
     @field_validator("cache_salt")
     @classmethod
@@ -244,6 +253,7 @@ class _SamplingFields(_Lenient):
             cache_salt=self.cache_salt or "",
             logprobs=logprobs,
             structured_output=constraint,
+            max_string_tokens=self.max_string_tokens,
         )
 
 
@@ -292,14 +302,16 @@ class ChatCompletionRequest(_SamplingFields):
         return plan(specs, self.tool_choice, parallel=self.parallel_tool_calls)
 
     def output_constraint(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> StructuredOutput | None:
-        """The grammar of the answer: the tool-call format's, a response_format's, or structured_outputs'."""
+        """The grammar of the answer: the tool-call format's (a response_format holding an answer that calls
+        nothing), a response_format's, or structured_outputs'."""
         from_format = self.response_format.to_engine() if self.response_format is not None else None
         if from_format is not None and self.structured_outputs is not None:
             raise invalid("structured_outputs: give it or a response_format other than text, not both", "structured_outputs")
         if tool_plan is not None:
-            if from_format is not None or self.structured_outputs is not None:
-                raise invalid("tools: a tool call's format cannot be combined with response_format or structured_outputs", "tools")
-            return tools.constraint(tool_plan)
+            if self.structured_outputs is not None:
+                raise invalid("structured_outputs: give tools a response_format instead", "structured_outputs")
+            answer = self.response_format.answer_schema() if self.response_format is not None else None
+            return tools.constraint(tool_plan, answer)
         return from_format or self.structured_output()
 
     def prompt(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> Prompt:
@@ -358,18 +370,18 @@ def _prepared(
     )
 
 
-def _tool_message(tools: ToolCallFormat, choice: Choice) -> dict[str, Any]:
-    """A tool-mode choice's message: its text and calls (finish reason `tool_calls`), or its answer."""
-    if choice.finish_reason != "stop":  # cut short: the raw text, as far as it went
-        return {"message": {"role": "assistant", "content": choice.text}, "finish_reason": _finish_reason(choice)}
-    parsed: ParsedOutput = tools.parse(choice.text, "call_")
+def _tool_message(constraint: StructuredOutput, choice: Choice) -> dict[str, Any]:
+    """A tool-mode choice's message: its text and its whole calls (finish reason `tool_calls`, or `length`
+    where the token limit cut the answer after them)."""
+    parsed: ParsedOutput = read_answer(constraint, choice.text, choice.complete, "call_")
     if not parsed.calls:
-        return {"message": {"role": "assistant", "content": parsed.content or ""}, "finish_reason": "stop"}
+        return {"message": {"role": "assistant", "content": parsed.content or ""}}
     calls = [
         {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
         for call in parsed.calls
     ]
-    return {"message": {"role": "assistant", "content": parsed.content, "tool_calls": calls}, "finish_reason": "tool_calls"}
+    message = {"role": "assistant", "content": parsed.content, "tool_calls": calls}
+    return {"message": message, "finish_reason": "tool_calls" if choice.finish_reason == "stop" else _finish_reason(choice)}
 
 
 def _finish_reason(choice: Choice) -> str | None:
@@ -463,7 +475,7 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
             for choice in range(req.n)
         ]
         prepared = _prepared(req, requests, logprobs=req.logprobs)
-        prepared.options["tools"] = tools if tool_plan is not None else None
+        prepared.options["tools"] = constraint if tool_plan is not None else None  # a tool-mode answer's grammar
         prepared.options["tool_streams"] = {}
         return prepared
 
@@ -539,20 +551,22 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
         )
 
     def _tool_chunks(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
-        """A tool-mode choice streams as it is read: its text as content, each call's id, type and name
-        once its name is written, then its arguments in pieces (as OpenAI streams them)."""
+        """A tool-mode choice streams as it is read: its text as content, each whole call's id, type and
+        name, then its arguments (as OpenAI streams them)."""
         if delta.finish_reason == "error":
             return []
         streams: dict[int, ToolStream] = prepared.options["tool_streams"]
-        stream = streams.setdefault(choice.index, ToolStream(prepared.options["tools"], "call_"))
-        final = delta.finish_reason is not None
+        if choice.index not in streams:
+            streams[choice.index] = ToolStream(tool_answer_reader(prepared.options["tools"]), "call_")
+        stream = streams[choice.index]
 
         def chunk(delta_body: dict[str, Any], finish_reason: str | None = None) -> str:
             body = {"index": choice.index, "delta": delta_body, "logprobs": None, "finish_reason": finish_reason}
             return sse(self._chunk(prepared, [body]))
 
-        events = [chunk(_tool_delta(event)) for event in stream.update(choice.text, final)]
-        if final:
+        events = [chunk(_tool_delta(event)) for event in stream.feed(delta.text)]
+        if delta.finish_reason is not None:
+            events += [chunk(_tool_delta(event)) for event in stream.finish(choice.complete)]
             called = stream.called and choice.finish_reason == "stop"
             events.append(chunk({}, "tool_calls" if called else _finish_reason(choice)))
         return events

@@ -50,8 +50,9 @@ from serve_app.http.tools.plan import (
     Turn,
     call_names,
     plan,
+    read_answer,
+    tool_answer_reader,
 )
-from serve_app.http.tools.scan import value_end
 from serve_app.http.tools.stream import (
     ArgumentsDelta,
     CallStarted,
@@ -172,6 +173,7 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
+    max_string_tokens: int | None = Field(None, ge=1)
 
     @field_validator("include")
     @classmethod
@@ -213,12 +215,14 @@ class ResponsesRequest(_Strict):
         return plan(specs, self.tool_choice, parallel=self.parallel_tool_calls)
 
     def output_constraint(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> StructuredOutput | None:
+        """The grammar of the answer: the tool-call format's (`text.format` holding an answer that calls
+        nothing), or `text.format`'s."""
         text_format = self.text.format if self.text is not None else None
-        constrained = text_format is not None and text_format.type != "text"
         if tool_plan is not None:
-            if constrained:
-                raise invalid("tools: a function call's format cannot be combined with text.format", "tools")
-            return tools.constraint(tool_plan)
+            schema = None
+            if text_format is not None and text_format.type != "text":
+                schema = text_format.schema_ if text_format.type == "json_schema" else {"type": "object"}
+            return tools.constraint(tool_plan, schema)
         if text_format is None or text_format.type == "text":
             return None
         if text_format.type == "json_object":
@@ -299,7 +303,8 @@ class ResponsesBuilder(ResponseBuilder):
         self._sequence = 0
         self._req: ResponsesRequest | None = None
         self._turns: list[Turn] = []
-        self._answer: ToolStream | None = None  # a tool-mode answer (its format, and its events as it streams)
+        self._constraint: StructuredOutput | None = None  # a tool-mode answer's grammar
+        self._answer: ToolStream | None = None  # a tool-mode answer's events as it streams
         self._items: list[dict[str, Any]] = []  # the output items streamed so far, the open one last
 
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
@@ -314,15 +319,18 @@ class ResponsesBuilder(ResponseBuilder):
             )
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         self._req, self._turns = req, req.turns(self.previous.turns if self.previous else ())
-        self._answer = ToolStream(tools, "call_") if tool_plan is not None else None
         system = [Turn("system", req.instructions)] if req.instructions else []
         prompt = tools.prompt([*system, *self._turns], tool_plan)
+        constraint = req.output_constraint(tools, tool_plan)
+        self._constraint = constraint if tool_plan is not None else None
+        self._answer = ToolStream(tool_answer_reader(constraint), "call_") if self._constraint is not None else None
         request = GenerateRequest(
             messages=prompt.messages,
             tools=prompt.tools,
             max_tokens=req.max_output_tokens,
             sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p),
-            structured_output=req.output_constraint(tools, tool_plan),
+            structured_output=constraint,
+            max_string_tokens=req.max_string_tokens,
         )
         return PreparedRequest(requests=[request], stream=req.stream, model=req.model)
 
@@ -366,9 +374,9 @@ class ResponsesBuilder(ResponseBuilder):
     def _output(self, choice: Choice) -> tuple[str, list[dict[str, Any]]]:
         """(status, output items) of a finished choice."""
         status = _status(choice)
-        if self._answer is None or status == "incomplete":
+        if self._constraint is None:
             return status, [_message_item(_message_id(), choice.text, status)]
-        parsed = self._answer.tools.parse(choice.text, "call_")
+        parsed = read_answer(self._constraint, choice.text, choice.complete, "call_")
         items = [_message_item(_message_id(), parsed.content, status)] if parsed.content else []
         items += [_call_item(call) for call in parsed.calls]
         return status, items or [_message_item(_message_id(), "", status)]
@@ -401,9 +409,13 @@ class ResponsesBuilder(ResponseBuilder):
     def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
         if self._answer is None:
             return self._add_text(delta.text) if delta.text else []
+        if delta.finish_reason == "error":
+            return []
         events: list[str] = []
-        final = delta.finish_reason is not None and delta.finish_reason != "error"
-        for event in self._answer.update(choice.text, final):
+        settled = self._answer.feed(delta.text)
+        if delta.finish_reason is not None:
+            settled += self._answer.finish(choice.complete)
+        for event in settled:
             match event:
                 case TextDelta(piece):
                     if not self._items or self._items[-1]["type"] != "message":
@@ -459,8 +471,8 @@ class ResponsesBuilder(ResponseBuilder):
         if not self._items or self._items[-1]["status"] != "in_progress":
             return []
         item, index = self._items[-1], len(self._items) - 1
-        if item["type"] == "function_call":
-            item["status"] = "completed" if value_end(item["arguments"], 0) is not None else "incomplete"
+        if item["type"] == "function_call":  # a call streams once it is whole
+            item["status"] = "completed"
             return [
                 self._event(
                     "response.function_call_arguments.done", item_id=item["id"], output_index=index,

@@ -1,7 +1,7 @@
 """What a request may call and how: the tools, the choice (`auto`, `required`, one named tool) and
-parallel calls, the conversation in a shape both APIs map onto (`Turn`), and the interface of a
-tool-call format (`ToolCallFormat`): how it prompts, what grammar it enforces, how it reads an
-answer (finished or still being written) into text and calls."""
+parallel calls, the conversation in a shape both APIs map onto (`Turn`), the interface of a
+tool-call format (`ToolCallFormat`: how it prompts, what grammar it enforces), and a finished
+answer read into text and calls (`read_answer`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from serve_app.engine.structured_output import StructuredOutput
+from serve_app.config import ToolFormat
+from serve_app.engine.answer_reader import AnswerReader, CallPart, TextPart, tool_reader
+from serve_app.engine.structured_output import FunctionTool, StructuredOutput, ToolCallGrammar
 from serve_app.http.protocols.errors import invalid
 
 ToolMode = Literal["auto", "required", "named"]
@@ -54,25 +56,6 @@ class ParsedOutput:
 
     calls: tuple[ToolCall, ...]
     content: str | None
-
-
-@dataclass(frozen=True)
-class TextSegment:
-    """Text of an answer that is not a call."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class CallSegment:
-    """A call in an answer: its tool and its arguments' JSON text as far as it is written."""
-
-    name: str
-    arguments: str
-    whole: bool  # the arguments' value is closed
-
-
-Segment = TextSegment | CallSegment
 
 
 @dataclass(frozen=True)
@@ -135,41 +118,40 @@ def call_names(turns: Sequence[Turn]) -> dict[str, str]:
 class ToolCallFormat(ABC):
     """How tools reach a model and how its calls come back."""
 
+    name: ToolFormat
+
     @abstractmethod
     def prompt(self, turns: Sequence[Turn], plan: ToolPlan | None) -> Prompt:
         """The conversation (earlier calls and results included) for the chat template."""
 
-    @abstractmethod
-    def constraint(self, plan: ToolPlan) -> StructuredOutput:
-        """The grammar an answer under `plan` is decoded with."""
-
-    @abstractmethod
-    def segments(self, text: str, final: bool) -> list[Segment]:
-        """An answer's text and calls in order, read off its text so far. Until `final`, text that may
-        still turn out to start a call is left out; each later reading extends the earlier one."""
-
-    def parse(self, text: str, id_prefix: str) -> ParsedOutput:
-        """The calls and text of a finished answer; an answer with a call that is not whole JSON is text."""
-        segments = self.segments(text, final=True)
-        content = "".join(s.text for s in segments if isinstance(s, TextSegment))
-        calls = [s for s in segments if isinstance(s, CallSegment)]
-        if not calls:
-            return ParsedOutput((), content)
-        try:
-            made = tuple(
-                ToolCall(new_call_id(id_prefix), c.name, json.dumps(json.loads(c.arguments), ensure_ascii=False))
-                for c in calls
-            )
-        except json.JSONDecodeError:
-            return ParsedOutput((), text)
-        return ParsedOutput(made, content.strip(" \n;") or None)
+    def constraint(self, plan: ToolPlan, answer_schema: dict[str, Any] | None = None) -> StructuredOutput:
+        """The grammar an answer under `plan` is decoded with; `answer_schema`: what an `auto` answer that
+        calls nothing must match (a response format's JSON schema)."""
+        grammar = ToolCallGrammar(
+            format=self.name,
+            tools=[FunctionTool(name=t.name, parameters=t.parameters) for t in plan.tools],
+            mode=plan.mode,
+            parallel=plan.parallel,
+            answer_schema=answer_schema if plan.mode == "auto" else None,
+        )
+        return StructuredOutput(tool_calls=grammar, param="tools")
 
 
-def add_text(segments: list[Segment], text: str) -> None:
-    """Append `text` to a reading, joining it to text just before it."""
-    if not text:
-        return
-    if segments and isinstance(segments[-1], TextSegment):
-        segments[-1] = TextSegment(segments[-1].text + text)
-    else:
-        segments.append(TextSegment(text))
+def read_answer(constraint: StructuredOutput, text: str, complete: bool, id_prefix: str) -> ParsedOutput:
+    """The calls and text of a finished tool-mode answer (`complete`: not cut by a token limit or a stop
+    sequence); each call gets a new id starting with `id_prefix`."""
+    reader = tool_answer_reader(constraint)
+    parts = [*reader.feed(text), *reader.finish(complete)]
+    calls = tuple(
+        ToolCall(new_call_id(id_prefix), p.name, json.dumps(json.loads(p.arguments), ensure_ascii=False))
+        for p in parts
+        if isinstance(p, CallPart)
+    )
+    content = "".join(p.text for p in parts if isinstance(p, TextPart))
+    return ParsedOutput(calls, (content.strip(" \n;") or None) if calls else content)
+
+
+def tool_answer_reader(constraint: StructuredOutput) -> AnswerReader:
+    """A reader of answers under a tool-mode request's constraint."""
+    assert constraint.tool_calls is not None, "a tool-mode request's constraint is its tool calls"
+    return tool_reader(constraint.tool_calls)

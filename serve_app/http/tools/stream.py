@@ -1,12 +1,13 @@
-"""One tool-mode answer as it streams: its text as it comes, each call's start (id and tool) once its
-name is written, then its arguments' JSON in pieces, read off the text so far by the request's format.
-Text that may still turn out to start a call waits until that is known."""
+"""One tool-mode answer as it streams: its text as it comes, and each call (its id and tool, then its
+arguments) once its arguments are whole, so a client never sees a call that the token limit cuts or a
+repeat of an earlier call. Read off the new text of each delta (`serve_app.engine.answer_reader`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serve_app.http.tools.plan import CallSegment, ToolCallFormat, new_call_id
+from serve_app.engine.answer_reader import AnswerPart, AnswerReader, CallPart
+from serve_app.http.tools.plan import new_call_id
 
 
 @dataclass(frozen=True)
@@ -31,34 +32,30 @@ ToolStreamEvent = TextDelta | CallStarted | ArgumentsDelta
 
 
 class ToolStream:
-    """What one answer has streamed so far, and what its next reading adds."""
+    """What one answer has streamed so far, and what each new piece of its text adds."""
 
-    def __init__(self, tools: ToolCallFormat, id_prefix: str) -> None:
-        self.tools = tools
+    def __init__(self, reader: AnswerReader, id_prefix: str) -> None:
+        self.reader = reader
         self.id_prefix = id_prefix
         self.call_ids: list[str] = []
-        self._sent: list[str] = []  # per segment: the text or arguments streamed so far
 
-    def update(self, text: str, final: bool = False) -> list[ToolStreamEvent]:
-        """The events that the answer's text so far (`final`: all of it) adds to those already sent.
-        Text after a call streams without its leading whitespace."""
+    def feed(self, text: str) -> list[ToolStreamEvent]:
+        """The events that `text`, the answer's next piece, settles."""
+        return self._events(self.reader.feed(text))
+
+    def finish(self, complete: bool) -> list[ToolStreamEvent]:
+        """The events left once the answer has ended (`complete`: not cut by a token limit or a stop sequence)."""
+        return self._events(self.reader.finish(complete))
+
+    def _events(self, parts: list[AnswerPart]) -> list[ToolStreamEvent]:
         events: list[ToolStreamEvent] = []
-        calls = 0
-        for index, segment in enumerate(self.tools.segments(text, final)):
-            if index == len(self._sent):
-                self._sent.append("")
-                if isinstance(segment, CallSegment):
-                    self.call_ids.append(new_call_id(self.id_prefix))
-                    events.append(CallStarted(calls, self.call_ids[calls], segment.name))
-            if isinstance(segment, CallSegment):
-                now, calls = segment.arguments, calls + 1
+        for part in parts:
+            if isinstance(part, CallPart):
+                call = len(self.call_ids)
+                self.call_ids.append(new_call_id(self.id_prefix))
+                events += [CallStarted(call, self.call_ids[call], part.name), ArgumentsDelta(call, part.arguments)]
             else:
-                now = segment.text if index == 0 else segment.text.lstrip()
-            sent = self._sent[index]
-            if len(now) > len(sent) and now.startswith(sent):
-                self._sent[index] = now
-                added = now[len(sent) :]
-                events.append(ArgumentsDelta(calls - 1, added) if isinstance(segment, CallSegment) else TextDelta(added))
+                events.append(TextDelta(part.text))
         return events
 
     @property

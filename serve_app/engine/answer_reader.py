@@ -1,0 +1,449 @@
+"""Reading a structured answer as it is written: its text and its tool calls in order, in each tool-call
+format, from text fed in pieces. Each character is looked at a bounded number of times, so an answer of
+n characters costs O(n) over all its pieces.
+
+A call is read once its arguments' JSON value is whole; a call identical to one already read in the
+same answer (same tool, same arguments) is not a call: it marks the answer `repeated` and ends the
+reading. Text that may still turn out to start a call waits until that is known; `finish` says whether
+the answer ended where its grammar let it end (held-back text is then text) or was cut (what is not
+certain is dropped), so a cut answer never shows a half-written call or the format's wrapper.
+
+The engine reads with it to end an answer at a repeated call and to bound its JSON strings
+(`serve_app.engine.answer_guard`); the HTTP layer, to answer in each API's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from serve_app.engine.structured_output import StructuredOutput, ToolCallGrammar
+
+NAME = r'"(?P<name>(?:[^"\\]|\\.)*)"'  # a JSON string, its body captured as `name`
+# A header or closer that has not matched within this many characters never will: what follows is not a call.
+_MOST_HEADER = 512
+_MOST_CLOSER = 64
+
+
+@dataclass(frozen=True)
+class TextPart:
+    """Text of an answer that is not a call."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallPart:
+    """A call whose arguments are whole: its tool, and its arguments' JSON text as written."""
+
+    name: str
+    arguments: str
+
+
+AnswerPart = TextPart | CallPart
+
+
+class JsonScanner:
+    """Where one JSON value being written stands: inside a string or not, how deep, whether it has ended."""
+
+    def __init__(self) -> None:
+        self.in_string = False
+        self.escaped = False  # the string's last character was a backslash
+        self.strings = 0  # strings opened so far
+        self._depth = 0
+        self._started = False
+        self._scalar = False
+        self.ended = False
+
+    def feed(self, text: str, start: int = 0) -> int | None:
+        """Read `text[start:]`: the index just past the value when it ends there, else None (all of it read)."""
+        for index in range(start, len(text)):
+            char = text[index]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    if self._depth == 0:
+                        return self._end(index + 1)
+            elif not self._started:
+                if not char.isspace():
+                    self._started = True
+                    self.in_string = char == '"'
+                    self.strings += self.in_string
+                    self._scalar = char not in '"{['
+                    self._depth = 1 if char in "{[" else 0
+            elif self._scalar:
+                if char.isspace() or char in ",]}":
+                    return self._end(index)
+            elif char == '"':
+                self.in_string = True
+                self.strings += 1
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return self._end(index + 1)
+        return None
+
+    def _end(self, index: int) -> int:
+        self.ended = True
+        return index
+
+
+class AnswerReader(ABC):
+    """One answer, read as it grows. `feed` returns the parts its new text settles; `finish` the rest."""
+
+    def __init__(self) -> None:
+        self.repeated = False  # a call repeated an earlier one: the answer ends there
+        self._buffer = ""  # text not yet settled (`_at` is where reading resumes in it)
+        self._at = 0
+        self._parts: list[AnswerPart] = []
+        self._calls: set[tuple[str, str]] = set()
+
+    def feed(self, text: str) -> list[AnswerPart]:
+        if self.repeated or not text:
+            return []
+        self._buffer = self._buffer[self._at :] + text
+        self._at = 0
+        self._read(final=False)
+        return self._take()
+
+    def finish(self, complete: bool) -> list[AnswerPart]:
+        """The parts left once the answer has ended: `complete` when its grammar ended it (or the model
+        stopped where the grammar allowed), not when a token limit or a stop sequence cut it."""
+        if not self.repeated:
+            self._read(final=complete)
+            if complete:
+                self._flush()
+        return self._take()
+
+    @property
+    @abstractmethod
+    def constrained(self) -> bool:
+        """Whether the answer is now inside its constrained JSON (a call, or a JSON answer)."""
+
+    @property
+    def open_string(self) -> tuple[int, int] | None:
+        """Which string of its constrained JSON the answer is now inside (equal while it is the same one), if any."""
+        scanner = self._json_scanner()
+        return (id(scanner), scanner.strings) if scanner is not None and scanner.in_string else None
+
+    @property
+    def string_may_close(self) -> bool:
+        """Whether the answer is inside such a string and its next character may close it (no backslash before)."""
+        scanner = self._json_scanner()
+        return scanner is not None and scanner.in_string and not scanner.escaped
+
+    @abstractmethod
+    def _json_scanner(self) -> JsonScanner | None:
+        """The scanner of the constrained JSON value being written now, if any."""
+
+    @abstractmethod
+    def _read(self, final: bool) -> None:
+        """Settle what the buffer allows from `_at` on (`final`: the answer is whole, wait for nothing)."""
+
+    def _flush(self) -> None:
+        """At the end of a whole answer: settle what was held back."""
+
+    def _text(self, text: str) -> None:
+        if text:
+            if self._parts and isinstance(self._parts[-1], TextPart):
+                self._parts[-1] = TextPart(self._parts[-1].text + text)
+            else:
+                self._parts.append(TextPart(text))
+
+    def _call(self, name: str, arguments: str) -> None:
+        """A call whose arguments are whole; one that repeats an earlier call ends the answer instead."""
+        try:
+            key = (name, json.dumps(json.loads(arguments), sort_keys=True))
+        except json.JSONDecodeError:
+            return  # not JSON after all: not a call
+        if key in self._calls:
+            self.repeated = True
+            return
+        self._calls.add(key)
+        self._parts.append(CallPart(name, arguments))
+
+    def _take(self) -> list[AnswerPart]:
+        parts, self._parts = self._parts, []
+        return parts
+
+
+class _Arguments:
+    """A call's arguments as they are read: its tool, the scanner over its JSON, the text so far."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.scanner = JsonScanner()
+        self.pieces: list[str] = []
+
+
+class GenericReader(AnswerReader):
+    """The generic format: `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`, or `{"response": ...}`
+    whose value is the answer's text (a string) or, with an answer schema, the answer's JSON itself."""
+
+    _ANSWER = re.compile(r'\s*\{\s*"response"\s*:\s*')
+    _TEXT_ANSWER = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+    _CALLS = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[')
+    _HEADER = re.compile(rf'\s*\{{\s*"name"\s*:\s*{NAME}\s*,\s*"arguments"\s*:\s*')
+    _CLOSER = re.compile(r"\s*\}\s*(?:(?P<more>,)|\])")
+    _LIST_END = re.compile(r"\s*\]")
+
+    def __init__(self, json_answer: bool) -> None:
+        super().__init__()
+        self._json_answer = json_answer
+        self._state = "start"  # start, response, response_json, header, arguments, closer, done
+        self._arguments: _Arguments | None = None
+        self._answer = JsonScanner()
+
+    @property
+    def constrained(self) -> bool:
+        return self._state != "response"
+
+    def _json_scanner(self) -> JsonScanner | None:
+        if self._state == "arguments" and self._arguments is not None:
+            return self._arguments.scanner
+        return self._answer if self._state == "response_json" else None
+
+    def _read(self, final: bool) -> None:
+        while self._at < len(self._buffer) and self._step(final):
+            pass
+
+    def _step(self, final: bool) -> bool:
+        """Read one thing; False when the buffer holds nothing more to settle now."""
+        buffer, at = self._buffer, self._at
+        match self._state:
+            case "start":
+                answer = (self._ANSWER if self._json_answer else self._TEXT_ANSWER).match(buffer, at)
+                if answer is not None:
+                    self._state, self._at = ("response_json" if self._json_answer else "response"), answer.end()
+                    return True
+                if (calls := self._CALLS.match(buffer, at)) is not None:
+                    self._state, self._at = "header", calls.end()
+                    return True
+                return self._give_up(_MOST_HEADER)
+            case "response":
+                decoded, end = _decode_string(buffer, at)
+                self._text(decoded)
+                self._at = end
+                if end < len(buffer) and buffer[end] == '"':
+                    self._state, self._at = "done", len(buffer)
+                return False
+            case "response_json":
+                end = self._answer.feed(buffer, at)
+                self._text(buffer[at:end])
+                self._at = len(buffer) if end is None else end
+                if end is not None:
+                    self._state, self._at = "done", len(buffer)
+                return False
+            case "header":
+                if (header := self._HEADER.match(buffer, at)) is not None:
+                    self._arguments = _Arguments(json.loads(f'"{header.group("name")}"', strict=False))
+                    self._state, self._at = "arguments", header.end()
+                    return True
+                if self._LIST_END.match(buffer, at) is not None:
+                    self._state, self._at = "done", len(buffer)
+                    return False
+                return self._give_up(_MOST_HEADER)
+            case "arguments":
+                return self._read_arguments()
+            case "closer":
+                if (closer := self._CLOSER.match(buffer, at)) is not None:
+                    self._state, self._at = ("header" if closer.group("more") else "done"), closer.end()
+                    return True
+                return self._give_up(_MOST_CLOSER)
+            case _:
+                self._at = len(buffer)
+                return False
+
+    def _read_arguments(self) -> bool:
+        arguments, buffer, at = self._arguments, self._buffer, self._at
+        assert arguments is not None
+        end = arguments.scanner.feed(buffer, at)
+        arguments.pieces.append(buffer[at:end])
+        if end is None:
+            self._at = len(buffer)
+            return False
+        self._call(arguments.name, "".join(arguments.pieces).strip())
+        self._state, self._at, self._arguments = "closer", end, None
+        return not self.repeated
+
+    def _give_up(self, most: int) -> bool:
+        """Wait for more text, unless `most` characters came without a match: then nothing more is read."""
+        if len(self._buffer) - self._at > most:
+            self._state, self._at = "done", len(self._buffer)
+        return False
+
+
+class TemplateReader(AnswerReader):
+    """A chat template's own format: text until one of `markers`; a call is `header` (the tool's name in
+    group `name`), its arguments' JSON value, `closer`; text may follow a call."""
+
+    def __init__(
+        self, markers: tuple[str, ...], header: re.Pattern[str], arguments_key: re.Pattern[str], closer: re.Pattern[str]
+    ) -> None:
+        super().__init__()
+        self._markers = markers
+        self._header = header
+        self._arguments_key = arguments_key  # the header's last key: a marker without it may still become a call
+        self._closer = closer
+        self._state = "text"  # text, header, arguments, closer
+        self._arguments: _Arguments | None = None
+        self._after_call = False  # text right after a call goes without its leading separators
+
+    @property
+    def constrained(self) -> bool:
+        return self._state != "text"
+
+    def _json_scanner(self) -> JsonScanner | None:
+        return self._arguments.scanner if self._state == "arguments" and self._arguments is not None else None
+
+    def _read(self, final: bool) -> None:
+        while self._at < len(self._buffer) and self._step(final):
+            pass
+
+    def _step(self, final: bool) -> bool:
+        buffer, at = self._buffer, self._at
+        match self._state:
+            case "text":
+                start = self._next_marker(buffer, at)
+                if start is None:
+                    end = len(buffer) - _held_back(buffer, at, self._markers)
+                    self._add_text(buffer[at:end])
+                    self._at = end
+                    return False
+                self._add_text(buffer[at:start])
+                self._state, self._at = "header", start
+                return True
+            case "header":
+                if (header := self._header.match(buffer, at)) is not None:
+                    self._arguments = _Arguments(json.loads(f'"{header.group("name")}"', strict=False))
+                    self._state, self._at = "arguments", header.end()
+                    return True
+                window = buffer[at : at + _MOST_HEADER]
+                if not final and len(window) < _MOST_HEADER and self._arguments_key.search(window) is None:
+                    return False  # may still become a call
+                self._add_text(buffer[at])  # the marker starts no call: it is text
+                self._state, self._at = "text", at + 1
+                return True
+            case "arguments":
+                arguments = self._arguments
+                assert arguments is not None
+                end = arguments.scanner.feed(buffer, at)
+                arguments.pieces.append(buffer[at:end])
+                if end is None:
+                    self._at = len(buffer)
+                    return False
+                self._call(arguments.name, "".join(arguments.pieces).strip())
+                self._state, self._at, self._arguments = "closer", end, None
+                return not self.repeated
+            case _:  # closer
+                closer = self._closer.match(buffer, at)
+                settled = closer is not None and (closer.end() < len(buffer) or final)
+                if not settled and not final and len(buffer) - at <= _MOST_CLOSER:
+                    return False  # the closer may still come, or go on
+                self._state, self._after_call = "text", True
+                self._at = closer.end() if closer is not None else at
+                return True
+
+    def _flush(self) -> None:
+        if self._state == "text":
+            self._add_text(self._buffer[self._at :])
+        self._at = len(self._buffer)
+
+    def _add_text(self, text: str) -> None:
+        if self._after_call:
+            text = text.lstrip(" \n;")
+            if not text:
+                return
+            self._after_call = False
+        self._text(text)
+
+    def _next_marker(self, text: str, position: int) -> int | None:
+        found = [i for i in (text.find(m, position) for m in self._markers) if i >= 0]
+        return min(found, default=None)
+
+
+class JsonAnswerReader(AnswerReader):
+    """An answer that is one JSON value (a `json` or `json_object` constraint): no calls, all constrained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scanner = JsonScanner()
+
+    @property
+    def constrained(self) -> bool:
+        return not self._scanner.ended
+
+    def _json_scanner(self) -> JsonScanner | None:
+        return self._scanner
+
+    def _read(self, final: bool) -> None:
+        if not self._scanner.ended:
+            self._scanner.feed(self._buffer, self._at)
+        self._at = len(self._buffer)
+
+
+_HERMES = (
+    ("<tool_call>",),
+    re.compile(rf'<tool_call>\s*\{{\s*"name"\s*:\s*{NAME}\s*,\s*"arguments"\s*:\s*'),
+    re.compile(r'"arguments"\s*:'),
+    re.compile(r"\s*\}\s*</tool_call>"),
+)
+_LLAMA3_JSON = (
+    ("<|python_tag|>", '{"name"'),
+    re.compile(rf'(?:<\|python_tag\|>\s*)?\{{\s*"name"\s*:\s*{NAME}\s*,\s*"parameters"\s*:\s*'),
+    re.compile(r'"parameters"\s*:'),
+    re.compile(r"\s*\}\s*;?"),
+)
+
+
+def tool_reader(spec: ToolCallGrammar) -> AnswerReader:
+    """A reader of answers in `spec`'s format."""
+    if spec.format == "generic":
+        return GenericReader(json_answer=spec.answer_schema is not None)
+    return TemplateReader(*(_HERMES if spec.format == "hermes" else _LLAMA3_JSON))
+
+
+def reader_for(spec: StructuredOutput) -> AnswerReader | None:
+    """A reader of answers under `spec`, where they are JSON or tool calls (None for a regex, choice or grammar)."""
+    if spec.tool_calls is not None:
+        return tool_reader(spec.tool_calls)
+    if spec.kind in ("json", "json_object"):
+        return JsonAnswerReader()
+    return None
+
+
+def _decode_string(text: str, begin: int) -> tuple[str, int]:
+    """The decoded part of a JSON string body from `begin`: as far as whole characters go, up to its closing
+    quote; and where that part ends (at the quote, or where an escape or a surrogate pair is still half written)."""
+    position = begin
+    while position < len(text) and text[position] != '"':
+        if text[position] == "\\":
+            width = 6 if text[position + 1 : position + 2] == "u" else 2
+            if position + width > len(text):
+                break
+            position += width
+        else:
+            position += 1
+    decoded = json.loads(f'"{text[begin:position]}"', strict=False)
+    if decoded and "\ud800" <= decoded[-1] <= "\udbff":  # half a surrogate pair: wait for the other half
+        return decoded[:-1], position - 6
+    return decoded, position
+
+
+def _held_back(text: str, begin: int, markers: tuple[str, ...]) -> int:
+    """How many of `text[begin:]`'s last characters may be the start of one of `markers`."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text) - begin), longest, -1):
+            if marker.startswith(text[len(text) - size :]):
+                longest = size
+                break
+    return longest
