@@ -148,6 +148,17 @@ def test_auto_lets_text_come_first_and_holds_calls_to_their_schemas(hermes: Infe
     assert not off_schema.accept_string('<tool_call>\n{"name": "get_weather", "arguments": {"town": ')
 
 
+def test_with_a_response_format_an_auto_answer_is_its_json_or_calls(hermes: InferenceEngine) -> None:
+    spec = ToolSpec("get_weather", "", PARAMETERS)
+    answer = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
+    constraint = format_for("hermes").constraint(plan([spec], "auto"), answer)
+    assert hermes.grammars.matcher(constraint).accept_string('{"summary": "Sunny."}')
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    assert hermes.grammars.matcher(constraint).accept_string(call)
+    assert not hermes.grammars.matcher(constraint).accept_string("Sunny")  # free text is not the format
+    assert not hermes.grammars.matcher(constraint).accept_string('{"weather": ')
+
+
 def _parse(name: str, text: str, id_prefix: str = "call_") -> ParsedOutput:
     constraint = format_for(name).constraint(plan([ToolSpec("a", "", {})], "auto"))
     return read_answer(constraint, text, True, id_prefix)

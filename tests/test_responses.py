@@ -223,6 +223,10 @@ def test_a_response_the_store_cannot_keep_fails_in_the_protocols_shape(
     assert events[-1].type == "response.failed", [e.type for e in events]
     assert events[-1].response.status == "failed" and "could not be kept" in events[-1].response.error.message
     assert "response.completed" not in [e.type for e in events]
+    calling = list(oai.responses.create(model=MODEL, input="Weather in Rome?", tools=[WEATHER], tool_choice="required",
+                                        max_output_tokens=60, temperature=0, stream=True))
+    assert "response.function_call_arguments.done" in [e.type for e in calling]  # the call streamed whole, then:
+    assert calling[-1].type == "response.failed" and "could not be kept" in calling[-1].response.error.message
     monkeypatch.undo()  # the server keeps serving, and stores again
     kept = oai.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
     assert oai.responses.retrieve(kept.id).id == kept.id

@@ -306,6 +306,7 @@ class ResponsesBuilder(ResponseBuilder):
         self._constraint: StructuredOutput | None = None  # a tool-mode answer's grammar
         self._answer: ToolStream | None = None  # a tool-mode answer's events as it streams
         self._items: list[dict[str, Any]] = []  # the output items streamed so far, the open one last
+        self._closing: list[str] = []  # the events that closed them, once the stream's end is built
 
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         refuse_fields(body, UNSUPPORTED)
@@ -434,13 +435,14 @@ class ResponsesBuilder(ResponseBuilder):
 
     def format_stream_end(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
         choice = choices[0]
-        if choice.finish_reason == "error":
+        if choice.finish_reason == "error":  # the items closed by an end already built stay closed before it
             failed = self._response(prepared, "failed", [], choice)
             failed["error"] = {"code": "server_error", "message": choice.error or "generation failed"}
-            return [self._event("response.failed", response=failed)]
+            return [*self._closing, self._event("response.failed", response=failed)]
         status = _status(choice)
         events = [] if self._items else self._open_message()
         events += self._close_item(status)
+        self._closing = events
         response = self._finish(prepared, choice, status, self._items)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=response)]
