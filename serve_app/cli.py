@@ -61,6 +61,13 @@ def _bench_structured(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_clients(args: argparse.Namespace) -> None:
+    from serve_app.bench.clients_bench import Server, run
+
+    servers = [Server(*spec.split("=", 2)) for spec in args.server]
+    print(run(servers))
+
+
 def _bench_quant(args: argparse.Namespace) -> None:
     from serve_app.bench.quant_bench import main
 
@@ -189,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--seed", type=int, default=0)
     structured.add_argument("--json", default=None)
     structured.set_defaults(func=_bench_structured)
+
+    clients = bench.add_parser(
+        "clients", help="client libraries' structured-output and tool cases against running servers, side by side"
+    )
+    clients.add_argument(
+        "--server", action="append", required=True, metavar="NAME=URL=MODEL",
+        help="a server to run every case against (repeat it): its column name, its URL without /v1, the model it serves",
+    )
+    clients.set_defaults(func=_bench_clients)
 
     quant = bench.add_parser(
         "quant", help="quantized weights against the unquantized model: greedy agreement, log-prob gap, tok/s"
