@@ -18,6 +18,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -56,6 +57,8 @@ def _calls_ok(calls: list[tuple[str, Any]]) -> Outcome:
     """Calls as the library handed them on: each get_weather with a string city."""
     if not calls:
         return Outcome("malformed", "no call")
+    if len({json.dumps(a, sort_keys=True) if not isinstance(a, str) else a for _, a in calls}) < len(calls):
+        return Outcome("ok", f"{len(calls)} calls, some identical")
     for name, arguments in calls:
         value = json.loads(arguments) if isinstance(arguments, str) else arguments
         if name != "get_weather" or not isinstance(value, dict) or not isinstance(value.get("city"), str):
@@ -103,10 +106,10 @@ def openai_json_object(server: Server) -> Outcome:
     return Outcome("ok", f"{len(value)} keys") if isinstance(value, dict) else Outcome("malformed", "not an object")
 
 
-def openai_tools_required(server: Server) -> Outcome:
+def openai_tools_required(server: Server, max_tokens: int = 60) -> Outcome:
     choice = _openai(server).chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": ASK_WEATHER}], tools=[WEATHER_TOOL],
-        tool_choice="required", max_tokens=60, temperature=0,
+        tool_choice="required", max_tokens=max_tokens, temperature=0,
     ).choices[0]
     calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
     if choice.finish_reason == "length":
@@ -114,10 +117,10 @@ def openai_tools_required(server: Server) -> Outcome:
     return _calls_ok(calls)
 
 
-def openai_tools_streamed(server: Server) -> Outcome:
+def openai_tools_streamed(server: Server, max_tokens: int = 60) -> Outcome:
     with _openai(server).chat.completions.stream(
         model=server.model, messages=[{"role": "user", "content": ASK_WEATHER}], tools=[WEATHER_TOOL],
-        tool_choice="required", max_tokens=60, temperature=0,
+        tool_choice="required", max_tokens=max_tokens, temperature=0,
     ) as stream:
         for _ in stream:
             pass
@@ -143,17 +146,17 @@ def _anthropic_outcome(message) -> Outcome:
     return _calls_ok(calls)
 
 
-def anthropic_tools(server: Server) -> Outcome:
+def anthropic_tools(server: Server, max_tokens: int = 60) -> Outcome:
     return _anthropic_outcome(_anthropic(server).messages.create(
-        model=server.model, max_tokens=60, messages=[{"role": "user", "content": ASK_WEATHER}],
+        model=server.model, max_tokens=max_tokens, messages=[{"role": "user", "content": ASK_WEATHER}],
         tools=[{"name": "get_weather", "description": DESCRIPTION, "input_schema": PARAMETERS}],
         tool_choice={"type": "any"}, extra_body={"temperature": 0},
     ))
 
 
-def anthropic_tools_streamed(server: Server) -> Outcome:
+def anthropic_tools_streamed(server: Server, max_tokens: int = 60) -> Outcome:
     with _anthropic(server).messages.stream(
-        model=server.model, max_tokens=30, messages=[{"role": "user", "content": ASK_WEATHER}],
+        model=server.model, max_tokens=max_tokens, messages=[{"role": "user", "content": ASK_WEATHER}],
         tools=[{"name": "get_weather", "description": DESCRIPTION, "input_schema": PARAMETERS}],
         tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0},
     ) as stream:
@@ -254,11 +257,11 @@ def agents_sdk(server: Server) -> Outcome:
     return Outcome("ok", output.city) if isinstance(output, Place) else Outcome("malformed", repr(output)[:40])
 
 
-def responses_tools(server: Server) -> Outcome:
+def responses_tools(server: Server, max_tokens: int = 60) -> Outcome:
     response = _openai(server).responses.create(
         model=server.model, input=ASK_WEATHER, tools=[{"type": "function", "name": "get_weather", "description": DESCRIPTION,
                                                         "parameters": PARAMETERS}],
-        tool_choice="required", max_output_tokens=60, temperature=0,
+        tool_choice="required", max_output_tokens=max_tokens, temperature=0,
     )
     calls = [(o.name, o.arguments) for o in response.output if o.type == "function_call"]
     if response.status == "incomplete":
@@ -270,15 +273,20 @@ CASES: dict[str, Callable[[Server], Outcome]] = {
     "OpenAI SDK `chat.completions.parse`": openai_parse,
     "OpenAI SDK `json_object`": openai_json_object,
     "OpenAI SDK tools, `required`": openai_tools_required,
+    "OpenAI SDK tools, `required`, max_tokens 35": partial(openai_tools_required, max_tokens=35),
     "OpenAI SDK tools, streamed": openai_tools_streamed,
+    "OpenAI SDK tools, streamed, max_tokens 35": partial(openai_tools_streamed, max_tokens=35),
     "Anthropic SDK tools, `any`": anthropic_tools,
-    "Anthropic SDK tools, streamed, `tool`, max_tokens 30": anthropic_tools_streamed,
+    "Anthropic SDK tools, `any`, max_tokens 35": partial(anthropic_tools, max_tokens=35),
+    "Anthropic SDK tools, streamed, `tool`": anthropic_tools_streamed,
+    "Anthropic SDK tools, streamed, `tool`, max_tokens 20": partial(anthropic_tools_streamed, max_tokens=20),
     "LangChain `with_structured_output`": langchain_structured_output,
     "LangChain `bind_tools`": langchain_bind_tools,
     "pydantic-ai `output_type`": pydantic_ai_output_type,
     "instructor `response_model`": instructor_create,
     "OpenAI Agents SDK, tools + `output_type`": agents_sdk,
     "Responses API tools, `required`": responses_tools,
+    "Responses API tools, `required`, max_output_tokens 35": partial(responses_tools, max_tokens=35),
 }
 
 
