@@ -61,6 +61,17 @@ class ModelConfig(_Strict):
         "elsewhere weights only (torchao); fp8: fp8 weights only (torchao, for CUDA)",
     )
     cache_dir: Path = Field(default_factory=default_cache_dir)
+    dynamic_lora_loading_path: Path | None = Field(
+        None, description="a folder of LoRA adapters (PEFT folders, one per adapter name), each loaded on first use"
+    )
+    max_num_adapters_per_replica: int = Field(8, ge=1, description="LoRA adapters held at once; least recently used out")
+    max_lora_rank: int = Field(16, ge=1, description="the largest LoRA rank an adapter may have")
+
+    @model_validator(mode="after")
+    def _lora_without_compile(self) -> ModelConfig:
+        if self.dynamic_lora_loading_path is not None and self.compile:
+            raise ValueError("compile: LoRA adapters run on the eager forward only; leave compile off with them")
+        return self
 
 
 class CacheConfig(_Strict):
@@ -104,6 +115,9 @@ _FLAT_KEYS: dict[str, tuple[str, str]] = {
     "tool_call_format": ("model", "tool_call_format"),
     "quantization": ("model", "quantization"),
     "compile": ("model", "compile"),
+    "dynamic_lora_loading_path": ("model", "dynamic_lora_loading_path"),
+    "max_num_adapters_per_replica": ("model", "max_num_adapters_per_replica"),
+    "max_lora_rank": ("model", "max_lora_rank"),
     "kv_cache": ("cache", "kind"),
     "page_size": ("cache", "page_size"),
     "cache_tokens": ("cache", "num_tokens"),

@@ -10,10 +10,15 @@ import torch
 class ReferenceModel:
     """`model.generate(do_sample=False)` with transformers' own attention and cache."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, adapter: Path | None = None) -> None:
+        """The model at `path`, with the LoRA adapter at `adapter` (through peft) where given."""
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        if adapter is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, adapter)
         self.model.eval()
         self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
 

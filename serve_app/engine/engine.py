@@ -137,6 +137,7 @@ class InferenceEngine:
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
+        slot = self._adapter_slot(request.lora)
         task_id = next(self._task_ids)
         result = GenerateResult(task_id=task_id, prompt_tokens=len(prompt_ids), _on_abandon=self.abort)
         generator = None
@@ -150,7 +151,8 @@ class InferenceEngine:
             params=params,
             max_tokens=max_tokens,
             stop_token_ids=frozenset(stop_ids),
-            cache_salt=request.cache_salt,
+            # KV made under one adapter is never another's (or the base model's): the adapter is in the page hash.
+            cache_salt=request.cache_salt if request.lora is None else f"{request.cache_salt}\x00lora:{request.lora}",
             result=result,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stop_strings=StopStringMatcher(request.stop),
@@ -158,9 +160,31 @@ class InferenceEngine:
             logprobs=request.logprobs,
             matcher=matcher,
             guard=guard,
+            adapter_slot=slot,
+            on_finished=self._releaser(slot),
         )
-        self.scheduler.submit(task)
+        try:
+            self.scheduler.submit(task)
+        except BaseException:
+            if task.on_finished is not None:
+                task.on_finished()
+            raise
         return result
+
+    def _adapter_slot(self, name: str | None) -> int | None:
+        """The slot of LoRA adapter `name`, held for one request (None for the base model)."""
+        if name is None:
+            return None
+        adapters = self.runner.adapters
+        if adapters is None:
+            raise InvalidRequestError("lora", "this engine serves no adapters (set dynamic_lora_loading_path)")
+        return adapters.acquire(name)
+
+    def _releaser(self, slot: int | None) -> Callable[[], None] | None:
+        adapters = self.runner.adapters
+        if slot is None or adapters is None:
+            return None
+        return lambda: adapters.release(slot)
 
     async def submit_async(self, request: GenerateRequest) -> GenerateResult:
         """`submit` off the event loop (it tokenizes). A caller cancelled meanwhile leaves nothing running."""

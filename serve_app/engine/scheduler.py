@@ -219,7 +219,8 @@ class InferenceScheduler:
                 sample_rows.append(row - 1)
                 sampled.append(task)
         token_ids = [tok for entry, task in zip(entries, tasks) for tok in task.tokens[entry.start : entry.end]]
-        logits = self.runner.forward(ForwardBatch(entries, token_ids, sample_rows), self.cache.view(entries))
+        slots = [task.adapter_slot for task in tasks]
+        logits = self.runner.forward(ForwardBatch(entries, token_ids, sample_rows, slots), self.cache.view(entries))
         self.stats.steps += 1
         for entry, task in zip(entries, tasks):
             task.num_computed = entry.end
@@ -363,6 +364,8 @@ class InferenceScheduler:
         elif task in self.waiting:
             self.waiting.remove(task)
         task.state = TaskState.FINISHED
+        if task.on_finished is not None:
+            task.on_finished()
         task.result.publish(delta)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,8 @@ class Task:
     logprobs: int | None = None
     matcher: xgrammar.GrammarMatcher | None = None  # a structured-output request's grammar state
     guard: AnswerGuard | None = None  # a JSON or tool-call answer's repeats and lengths
+    adapter_slot: int | None = None  # the LoRA adapter slot its rows run with (None: the base model)
+    on_finished: Callable[[], None] | None = None  # gives back what it held (its adapter slot) once it ends
     state: TaskState = TaskState.WAITING
     num_computed: int = 0
     admitted_once: bool = False

@@ -14,6 +14,7 @@ from serve_app.config import ModelConfig
 from serve_app.kv.storage import KVShape, Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import attention_window, register_attention, step_context
+from serve_app.model.lora import AdapterSlots, lora_rows, wrap_targets
 from serve_app.model.decode_kernel import load_decode_kernel
 from serve_app.model.loader import resolve_model_path
 from serve_app.model.quantization import apply_quantization
@@ -46,6 +47,7 @@ class ForwardBatch:
     entries: Sequence[BatchEntry]
     token_ids: list[int]
     sample_rows: list[int]
+    adapter_slots: Sequence[int | None] = ()  # per entry: the LoRA adapter slot its rows run with (None: base)
 
 
 def _context(hf_config: Any, model: torch.nn.Module, asked: int | None) -> int:
@@ -89,6 +91,12 @@ class ModelRunner:
         self.model.eval()
         self.max_model_len = _context(hf_config, self.model, config.max_model_len)
         self.model = apply_quantization(self.model, config.quantization, self.device, config.cache_dir)
+        self.adapters: AdapterSlots | None = None  # LoRA adapters, where the config names their folder
+        if config.dynamic_lora_loading_path is not None:
+            layers = wrap_targets(self.model, config.max_num_adapters_per_replica, config.max_lora_rank)
+            self.adapters = AdapterSlots(
+                config.dynamic_lora_loading_path, layers, config.max_num_adapters_per_replica, config.max_lora_rank
+            )
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         n_heads = text_config.num_attention_heads
         self.kv_shape = KVShape(
@@ -143,6 +151,16 @@ class ModelRunner:
         input_ids = torch.tensor([batch.token_ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        with step_context(view, self.decode_kernel):
+        with step_context(view, self.decode_kernel), lora_rows(self._adapter_rows(batch)):
             output = self.model_forward(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
         return output.logits[0].float()
+
+    def _adapter_rows(self, batch: ForwardBatch) -> list[tuple[int, torch.Tensor]]:
+        """Each adapter slot in the batch with the rows of its entries."""
+        rows: dict[int, list[int]] = {}
+        row = 0
+        for entry, slot in zip(batch.entries, batch.adapter_slots):
+            if slot is not None:
+                rows.setdefault(slot, []).extend(range(row, row + entry.num_new))
+            row += entry.num_new
+        return [(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in rows.items()]
