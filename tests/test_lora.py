@@ -127,3 +127,27 @@ def test_an_engine_without_adapters_refuses_one(engine: InferenceEngine) -> None
     with pytest.raises(InvalidRequestError, match="serves no adapters") as refused:
         engine.submit(GenerateRequest(prompt="Hi", lora="a", max_tokens=4))
     assert refused.value.param == "lora"
+
+
+def test_the_sdks_name_an_adapter_as_model_colon_adapter(lora_engine: InferenceEngine) -> None:
+    from tests.inprocess import MODEL, anthropic_client, engine_server, openai_client
+
+    ask = [{"role": "user", "content": "Name a colour."}]
+    direct = {
+        name: lora_engine.submit(GenerateRequest(messages=ask, lora=name, max_tokens=12, temperature=0)).wait(60).text
+        for name in (None, "a")
+    }
+    assert direct[None] != direct["a"]
+    with engine_server(lora_engine) as server:
+        oai, claude = openai_client(server.url), anthropic_client(server.url)
+        for name in (None, "a"):
+            model = MODEL if name is None else f"{MODEL}:{name}"
+            chat = oai.chat.completions.create(model=model, messages=ask, max_tokens=12, temperature=0)
+            assert chat.choices[0].message.content == direct[name] and chat.model == model
+            message = claude.messages.create(model=model, messages=ask, max_tokens=12, extra_body={"temperature": 0})
+            assert message.content[0].text == direct[name]
+        import openai
+
+        with pytest.raises(openai.BadRequestError) as bad:
+            oai.chat.completions.create(model=f"{MODEL}:missing", messages=ask, max_tokens=4)
+        assert bad.value.body["param"] == "model" and "'missing'" in bad.value.body["message"]

@@ -132,7 +132,6 @@ OPENAI_ERRORS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages.0.content"),
-    ("/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}, 400, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 10**6}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 0}, 400, "n"),
@@ -175,11 +174,16 @@ def test_anthropic_errors_have_anthropic_shape(server: InProcessServer, body, st
 
 
 def test_sdks_raise_their_own_errors(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
-    with pytest.raises(openai.BadRequestError) as bad:
+    with pytest.raises(openai.NotFoundError) as unknown:
         oai.chat.completions.create(model="nope", messages=CHAT, max_tokens=4)
-    assert bad.value.status_code == 400
+    assert unknown.value.status_code == 404 and unknown.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model="nope", input="Hi", max_output_tokens=4)
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="nope", max_tokens=4, messages=CHAT)
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.chat.completions.create(model=MODEL + ":no-adapters-here", messages=CHAT, max_tokens=4)
+    assert bad.value.body["param"] == "model" and "serves no adapters" in bad.value.body["message"]
 
 
 def test_body_over_the_limit_is_413_in_both_shapes(server: InProcessServer) -> None:

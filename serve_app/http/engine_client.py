@@ -33,6 +33,16 @@ class ModelInfo:
     created: int
     tool_format: ToolFormat
 
+    def adapter_of(self, requested: str, param: str = "model") -> str | None:
+        """The LoRA adapter a request's `model` names (`<id>:<adapter>`; None for the model itself);
+        ProtocolError `not_found` (404) for a model not served here."""
+        if requested == self.id:
+            return None
+        base, _, adapter = requested.partition(":")
+        if base == self.id and adapter:
+            return adapter
+        raise ProtocolError("not_found", f"{param}: {requested!r} is not served here; use {self.id!r}", param)
+
 
 class EngineClient(ABC):
     """An engine as the routes see it: streams of deltas, calls, and what the server reports."""
@@ -64,10 +74,18 @@ class EngineClient(ABC):
     async def ready(self) -> bool: ...
 
 
+# Engine fields that clients name otherwise: an adapter is named in the request's `model`.
+_CLIENT_NAMES = {"lora": "model"}
+
+
 def unwrap(answer: T | RequestRefused) -> T:
-    """An engine's answer, with a refusal raised as ProtocolError."""
+    """An engine's answer, with a refusal raised as ProtocolError (naming the field as clients know it)."""
     if isinstance(answer, RequestRefused):
-        raise ProtocolError(answer.kind, answer.message, answer.param)
+        param = _CLIENT_NAMES.get(answer.param or "", answer.param)
+        message = answer.message
+        if param != answer.param and answer.param and message.startswith(f"{answer.param}: "):
+            message = f"{param}: {message.removeprefix(f'{answer.param}: ')}"
+        raise ProtocolError(answer.kind, message, param)
     return answer
 
 

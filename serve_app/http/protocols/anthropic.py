@@ -203,8 +203,7 @@ def parse(model: type[BaseModel], body: Any, served: ModelInfo) -> Any:
     """Validate a body and its `model` (an unknown model is a 404, as Anthropic's API answers)."""
     refuse_fields(body, UNSUPPORTED)
     req = validate_body(model, body)
-    if req.model != served.id:
-        raise ProtocolError("not_found", f"model: {req.model!r} is not served here; use {served.id!r}", "model")
+    served.adapter_of(req.model)  # an unknown model is a 404, as Anthropic's API answers
     return req
 
 
@@ -298,6 +297,7 @@ class MessagesBuilder(ResponseBuilder):
             stop=list(req.stop_sequences or []),
             structured_output=req.output_constraint(tools, tool_plan),
             max_string_tokens=req.max_string_tokens,
+            lora=model.adapter_of(req.model),
         )
         constraint = request.structured_output
         options = {"blocks": _BlockStream(constraint) if tool_plan is not None and constraint else None}  # a tool-mode answer's

@@ -230,7 +230,8 @@ class _SamplingFields(_Lenient):
         return self.structured_outputs.to_engine() if self.structured_outputs is not None else None
 
     def engine_fields(
-        self, max_tokens: int | None, logprobs: int | None, choice: int, constraint: StructuredOutput | None
+        self, max_tokens: int | None, logprobs: int | None, choice: int, constraint: StructuredOutput | None,
+        lora: str | None = None,
     ) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         sampling = SamplingParams(
@@ -254,6 +255,7 @@ class _SamplingFields(_Lenient):
             logprobs=logprobs,
             structured_output=constraint,
             max_string_tokens=self.max_string_tokens,
+            lora=lora,
         )
 
 
@@ -339,11 +341,6 @@ class CompletionRequest(_SamplingFields):
 def openai_error(error: ProtocolError) -> dict[str, Any]:
     """An error in OpenAI's shape (every OpenAI route's, the Responses API's too)."""
     return {"error": {"message": error.message, "type": _ERROR_TYPES[error.kind], "param": error.param, "code": error.status}}
-
-
-def _check_model(name: str, model: ModelInfo) -> None:
-    if name != model.id:
-        raise ProtocolError("invalid_request", f"model: {name!r} is not served here; use {model.id!r}", "model")
 
 
 def _usage_json(usage: Usage) -> dict[str, Any]:
@@ -462,7 +459,7 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         refuse_fields(body, UNSUPPORTED)
         req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
-        _check_model(req.model, model)
+        lora = model.adapter_of(req.model)
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         prompt = req.prompt(tools, tool_plan)
         constraint = req.output_constraint(tools, tool_plan)
@@ -470,7 +467,8 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         requests = [
             GenerateRequest(
-                messages=prompt.messages, tools=prompt.tools, **req.engine_fields(max_tokens, logprobs, choice, constraint)
+                messages=prompt.messages, tools=prompt.tools,
+                **req.engine_fields(max_tokens, logprobs, choice, constraint, lora),
             )
             for choice in range(req.n)
         ]
@@ -593,7 +591,7 @@ class CompletionsBuilder(_OpenAIBuilder):
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         refuse_fields(body, {**UNSUPPORTED, "response_format": "legacy completions take structured_outputs"})
         req: CompletionRequest = validate_body(CompletionRequest, body)
-        _check_model(req.model, model)
+        lora = model.adapter_of(req.model)
         if req.echo:
             raise invalid("echo: only false is supported", "echo")
         if req.suffix:
@@ -601,7 +599,7 @@ class CompletionsBuilder(_OpenAIBuilder):
         prompts = _prompts(req.prompt)
         constraint = req.structured_output()
         requests = [
-            GenerateRequest(prompt=prompt, **req.engine_fields(req.max_tokens, req.logprobs, choice, constraint))
+            GenerateRequest(prompt=prompt, **req.engine_fields(req.max_tokens, req.logprobs, choice, constraint, lora))
             for prompt in prompts
             for choice in range(req.n)
         ]

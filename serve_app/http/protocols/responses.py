@@ -311,8 +311,7 @@ class ResponsesBuilder(ResponseBuilder):
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         refuse_fields(body, UNSUPPORTED)
         req: ResponsesRequest = validate_body(ResponsesRequest, body)
-        if req.model != model.id:
-            raise invalid(f"model: {req.model!r} is not served here; use {model.id!r}", "model")
+        lora = model.adapter_of(req.model)
         previous_id = self.previous.response["id"] if self.previous is not None else None
         if req.previous_response_id != previous_id:
             raise ProtocolError(
@@ -332,6 +331,7 @@ class ResponsesBuilder(ResponseBuilder):
             sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p),
             structured_output=constraint,
             max_string_tokens=req.max_string_tokens,
+            lora=lora,
         )
         return PreparedRequest(requests=[request], stream=req.stream, model=req.model)
 
