@@ -146,8 +146,51 @@ def test_the_sdks_name_an_adapter_as_model_colon_adapter(lora_engine: InferenceE
             assert chat.choices[0].message.content == direct[name] and chat.model == model
             message = claude.messages.create(model=model, messages=ask, max_tokens=12, extra_body={"temperature": 0})
             assert message.content[0].text == direct[name]
+        listed = {card.id: card for card in oai.models.list()}
+        assert listed[MODEL].parent is None and listed[f"{MODEL}:a"].parent == MODEL
+        assert {f"{MODEL}:{name}" for name in ("a", "b", "c")} <= set(listed)
         import openai
 
         with pytest.raises(openai.BadRequestError) as bad:
             oai.chat.completions.create(model=f"{MODEL}:missing", messages=ask, max_tokens=4)
         assert bad.value.body["param"] == "model" and "'missing'" in bad.value.body["message"]
+
+
+def test_an_int8_model_runs_its_adapters_deltas_exactly(model_path: Path, adapters: Path) -> None:
+    """Each LoRA layer adds `x A^T (scale B)^T` to its base layer's output, an int8 base layer too."""
+    import torch
+
+    from serve_app.model.lora import lora_rows, read_adapter
+
+    eng = InferenceEngine(model=str(model_path), quantization="int8", dynamic_lora_loading_path=str(adapters),
+                          cache_tokens=2048, max_model_len=512)
+    try:
+        slots = eng.runner.adapters
+        assert slots is not None
+        slot = slots.acquire("a")
+        adapter = read_adapter("a", adapters / "a", slots.layers, slots.max_rank)
+        path, (a, b) = next(iter(adapter.weights.items()))
+        layer = slots.layers[path]
+        assert type(layer.base).__name__ == "Int8Linear"  # the int8 layer, wrapped
+        x = torch.randn(1, 5, layer.in_features)
+        with torch.inference_mode():
+            base = layer(x)
+            with lora_rows([(slot, torch.tensor([1, 3]))]):
+                mixed = layer(x)
+        expected = base.clone()
+        expected[0, [1, 3]] += x[0, [1, 3]] @ a.T @ b.T
+        torch.testing.assert_close(mixed, expected, rtol=1e-4, atol=1e-4)
+        slots.release(slot)
+        ids = eng.tokenizer.encode(PROMPTS[0])
+        outputs = [eng.submit(GenerateRequest(prompt=ids, lora=n, max_tokens=8, temperature=0, ignore_eos=True)).wait(60)
+                   for n in (None, "a")]
+        assert outputs[0].token_ids != outputs[1].token_ids
+    finally:
+        eng.shutdown()
+
+
+def test_lora_with_compile_is_refused_at_startup(adapters: Path) -> None:
+    from serve_app.config import EngineConfig
+
+    with pytest.raises(ValueError, match="compile: LoRA adapters run on the eager forward only"):
+        EngineConfig.from_options(compile=True, dynamic_lora_loading_path=str(adapters))

@@ -57,4 +57,9 @@ class StoreKV:
     cache_salt: str = ""
 
 
-EngineCall = CountTokens | GetStats | GetKVConfig | LookupKV | RetrieveKV | StoreKV
+@dataclass(frozen=True)
+class ListAdapters:
+    """The LoRA adapters the engine can run with: the adapter folders under its `dynamic_lora_loading_path`."""
+
+
+EngineCall = CountTokens | GetStats | GetKVConfig | LookupKV | RetrieveKV | StoreKV | ListAdapters

@@ -18,6 +18,7 @@ from serve_app.engine.calls import (
     CountTokens,
     EngineCall,
     GetKVConfig,
+    ListAdapters,
     GetStats,
     LookupKV,
     RetrieveKV,
@@ -260,6 +261,8 @@ class InferenceEngine:
                 return self.kv_retrieve(tokens, cache_salt)
             case StoreKV(kv, tokens, cache_salt):
                 return self.kv_store_pages(kv, tokens, cache_salt)
+            case ListAdapters():
+                return self.runner.adapters.available() if self.runner.adapters is not None else []
         raise TypeError(f"not an engine call: {call!r}")
 
     async def answer_async(self, call: EngineCall) -> Any:

@@ -1,10 +1,12 @@
-"""The admin routes: health (open to all), the model card, the engines' stats and Prometheus metrics."""
+"""The admin routes: health (open to all), the model cards (the model and its LoRA adapters), the engines'
+stats and Prometheus metrics."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
+from serve_app.engine.calls import ListAdapters
 from serve_app.http.context import context_of
 from serve_app.http.metrics import CONTENT_TYPE
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
@@ -32,9 +34,15 @@ async def models(request: Request) -> Response:
         "object": "model",
         "created": info.created,
         "owned_by": "serve-app",
+        "root": info.id,
+        "parent": None,
         "max_model_len": info.max_model_len,
     }
-    return JSONResponse({"object": "list", "data": [card]})
+    adapters = [
+        {**card, "id": f"{info.id}:{name}", "root": name, "parent": info.id}
+        for name in await context.engine.ask(ListAdapters())
+    ]
+    return JSONResponse({"object": "list", "data": [card, *adapters]})
 
 
 @router.get("/stats")
