@@ -61,6 +61,12 @@ def _bench_structured(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_lora(args: argparse.Namespace) -> None:
+    from serve_app.bench.lora_bench import main
+
+    main(args)
+
+
 def _bench_clients(args: argparse.Namespace) -> None:
     from serve_app.bench.clients_bench import Server, run
 
@@ -196,6 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--seed", type=int, default=0)
     structured.add_argument("--json", default=None)
     structured.set_defaults(func=_bench_structured)
+
+    lora = bench.add_parser("lora", help="the base model alone against the base and LoRA adapters in even shares")
+    lora.add_argument("--model", default=DEFAULT_MODEL)
+    lora.add_argument("--adapters", type=int, default=4)
+    lora.add_argument("--rank", type=int, default=8)
+    lora.add_argument("--prompts", type=int, default=128)
+    lora.add_argument("--concurrency", type=int, default=64)
+    lora.add_argument("--max-tokens", type=int, default=64)
+    lora.add_argument("--repeats", type=int, default=2, help="alternating pairs of runs")
+    lora.add_argument("--seed", type=int, default=0)
+    lora.add_argument("--json", default=None)
+    lora.set_defaults(func=_bench_lora)
 
     clients = bench.add_parser(
         "clients", help="client libraries' structured-output and tool cases against running servers, side by side"

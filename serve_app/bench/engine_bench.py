@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,11 +44,13 @@ def run_engine_bench(
     system: str = "engine",
     return_tokens: bool = False,
     options: dict[str, Any] | None = None,
+    options_of: Callable[[int], dict[str, Any]] | None = None,
 ):
     """Keep `concurrency` greedy requests in flight until every prompt has run; return the summary row.
 
-    `options` go into every `GenerateRequest` (a `structured_output`, say). With `return_tokens`,
-    also return each prompt's generated token ids, in prompt order.
+    `options` go into every `GenerateRequest` (a `structured_output`, say), `options_of(i)` into the
+    i-th one's (a LoRA adapter, say). With `return_tokens`, also return each prompt's generated token
+    ids, in prompt order.
     """
     pending = list(reversed(prompts))
     slots = threading.Semaphore(concurrency)
@@ -57,8 +60,9 @@ def run_engine_bench(
     begin = time.perf_counter()
     while pending:
         slots.acquire()
+        own = options_of(len(results)) if options_of is not None else {}
         request = GenerateRequest(
-            prompt=pending.pop(), max_tokens=max_tokens, temperature=0, ignore_eos=True, **(options or {})
+            prompt=pending.pop(), max_tokens=max_tokens, temperature=0, ignore_eos=True, **(options or {}), **own
         )
         clock = _Clock(start=time.perf_counter())
         result = engine.submit(request)
