@@ -160,7 +160,7 @@ def test_an_int8_model_runs_its_adapters_deltas_exactly(model_path: Path, adapte
     """Each LoRA layer adds `x A^T (scale B)^T` to its base layer's output, an int8 base layer too."""
     import torch
 
-    from serve_app.model.lora import lora_rows, read_adapter
+    from serve_app.model.lora import AdapterRows, lora_rows, read_adapter
 
     eng = InferenceEngine(model=str(model_path), quantization="int8", dynamic_lora_loading_path=str(adapters),
                           cache_tokens=2048, max_model_len=512)
@@ -175,7 +175,7 @@ def test_an_int8_model_runs_its_adapters_deltas_exactly(model_path: Path, adapte
         x = torch.randn(1, 5, layer.in_features)
         with torch.inference_mode():
             base = layer(x)
-            with lora_rows([(slot, torch.tensor([1, 3]))]):
+            with lora_rows(AdapterRows.of([(slot, [1, 3])], torch.device("cpu"))):
                 mixed = layer(x)
         expected = base.clone()
         expected[0, [1, 3]] += x[0, [1, 3]] @ a.T @ b.T

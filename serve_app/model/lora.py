@@ -3,8 +3,9 @@ packed batch: base-model rows and rows of different adapters run in the same for
 
 Each targeted linear layer of the decoder (`LoRALinear`) holds every adapter slot's `A` and `B`
 (zero-padded to the largest rank, the adapter's scale folded into `B`). A step says which rows
-belong to which slot (`lora_rows`); each slot's rows get `x A^T B^T` added to the base layer's output
-(one segmented product per adapter in the step). `AdapterSlots` loads adapters into slots on first
+belong to which slot (`lora_rows`); each slot's rows get `x A^T B^T` added to the base layer's output,
+all the step's adapters in two batched products (their rows grouped per adapter, padded to the largest
+group). `AdapterSlots` loads adapters into slots on first
 use, keeps the most recently used, and never evicts one that a running request holds.
 """
 
@@ -29,21 +30,47 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PEFT_PREFIX = "base_model.model."
 
 
-class _Rows(threading.local):
-    groups: Sequence[tuple[int, torch.Tensor]] = ()
+@dataclass(frozen=True)
+class AdapterRows:
+    """A step's adapter rows, grouped per adapter slot and padded to the largest group: `gather` picks each
+    group's rows (padding repeats a row), `valid` the unpadded places, `rows` their batch rows, in that order."""
+
+    slots: torch.Tensor  # [groups]
+    gather: torch.Tensor  # [groups * longest]
+    valid: torch.Tensor  # [rows with an adapter]: places in the padded groups
+    rows: torch.Tensor  # [rows with an adapter]: their rows in the batch
+    longest: int
+
+    @classmethod
+    def of(cls, groups: Sequence[tuple[int, Sequence[int]]], device: torch.device) -> AdapterRows | None:
+        """From (slot, its batch rows) pairs; None when there are none."""
+        if not groups:
+            return None
+        longest = max(len(rows) for _, rows in groups)
+        gather, valid, rows = [], [], []
+        for index, (_, members) in enumerate(groups):
+            gather += [*members, *[members[0]] * (longest - len(members))]
+            valid += range(index * longest, index * longest + len(members))
+            rows += members
+        tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(tensor([slot for slot, _ in groups]), tensor(gather), tensor(valid), tensor(rows), longest)
 
 
-_rows = _Rows()
+class _Step(threading.local):
+    rows: AdapterRows | None = None
+
+
+_step = _Step()
 
 
 @contextmanager
-def lora_rows(groups: Sequence[tuple[int, torch.Tensor]]) -> Iterator[None]:
-    """For one forward on this thread: (slot, the batch rows of that slot's adapter) for each adapter in it."""
-    _rows.groups = groups
+def lora_rows(rows: AdapterRows | None) -> Iterator[None]:
+    """Make `rows` the adapter rows of one forward on this thread."""
+    _step.rows = rows
     try:
         yield
     finally:
-        _rows.groups = ()
+        _step.rows = None
 
 
 class LoRALinear(torch.nn.Module):
@@ -61,12 +88,15 @@ class LoRALinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not _rows.groups:
+        rows = _step.rows
+        if rows is None:
             return y
         rows_in, rows_out = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-        for slot, rows in _rows.groups:
-            hidden = rows_in.index_select(0, rows).to(self.lora_a.dtype) @ self.lora_a[slot].T
-            rows_out.index_add_(0, rows, (hidden @ self.lora_b[slot].T).to(rows_out.dtype))
+        groups = rows_in.index_select(0, rows.gather).view(len(rows.slots), rows.longest, -1).to(self.lora_a.dtype)
+        hidden = torch.bmm(groups, self.lora_a.index_select(0, rows.slots).transpose(1, 2))
+        delta = torch.bmm(hidden, self.lora_b.index_select(0, rows.slots).transpose(1, 2))
+        delta = delta.reshape(-1, self.out_features).index_select(0, rows.valid)
+        rows_out.index_add_(0, rows.rows, delta.to(rows_out.dtype))
         return rows_out.view_as(y)
 
     def load(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from serve_app.config import ModelConfig
 from serve_app.kv.storage import KVShape, Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import attention_window, register_attention, step_context
-from serve_app.model.lora import AdapterSlots, lora_rows, wrap_targets
+from serve_app.model.lora import AdapterRows, AdapterSlots, lora_rows, wrap_targets
 from serve_app.model.decode_kernel import load_decode_kernel
 from serve_app.model.loader import resolve_model_path
 from serve_app.model.quantization import apply_quantization
@@ -155,12 +155,12 @@ class ModelRunner:
             output = self.model_forward(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
         return output.logits[0].float()
 
-    def _adapter_rows(self, batch: ForwardBatch) -> list[tuple[int, torch.Tensor]]:
-        """Each adapter slot in the batch with the rows of its entries."""
+    def _adapter_rows(self, batch: ForwardBatch) -> AdapterRows | None:
+        """The batch's rows of each adapter slot in it."""
         rows: dict[int, list[int]] = {}
         row = 0
         for entry, slot in zip(batch.entries, batch.adapter_slots):
             if slot is not None:
                 rows.setdefault(slot, []).extend(range(row, row + entry.num_new))
             row += entry.num_new
-        return [(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in rows.items()]
+        return AdapterRows.of(list(rows.items()), self.device)
