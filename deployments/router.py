@@ -143,7 +143,7 @@ def _prompt_of(args: Sequence[Any]) -> tuple[list[int], str] | None:
     """(token ids, cache salt) of a generate request or a KV call, whose page hashes route it."""
     first = args[0] if args else None
     if isinstance(first, GenerateRequest) and isinstance(first.prompt, list):
-        return first.prompt, first.cache_salt
+        return first.prompt, first.prefix_salt
     if isinstance(first, (LookupKV, RetrieveKV, StoreKV)):
         return first.tokens, first.cache_salt
     return None

@@ -152,8 +152,7 @@ class InferenceEngine:
             params=params,
             max_tokens=max_tokens,
             stop_token_ids=frozenset(stop_ids),
-            # KV made under one adapter is never another's (or the base model's): the adapter is in the page hash.
-            cache_salt=request.cache_salt if request.lora is None else f"{request.cache_salt}\x00lora:{request.lora}",
+            cache_salt=request.prefix_salt,
             result=result,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stop_strings=StopStringMatcher(request.stop),

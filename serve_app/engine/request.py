@@ -85,6 +85,12 @@ class GenerateRequest(BaseModel):
                     raise ValueError(f"messages[{index}] needs a string 'role' and a string 'content'")
         return value
 
+    @property
+    def prefix_salt(self) -> str:
+        """The salt its prompt's pages are cached under: KV made under one adapter is never another's (or
+        the base model's), so the adapter is part of it. The engine and the request router both use it."""
+        return self.cache_salt if self.lora is None else f"{self.cache_salt}\x00lora:{self.lora}"
+
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
         if (self.prompt is None) == (self.messages is None):
