@@ -3,7 +3,7 @@ HAProxy), routed by the pages they cache (deployments.router).
 
 Each replica gets one torch thread, as two replicas share this machine's two cores. With Serve's
 default router a conversation's next turn lands on the replica without its history about half
-the time; here every later turn and every KV lookup must find its prefix.
+the time; here every later turn (under a LoRA adapter too) and every KV lookup must find its prefix.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import psutil
@@ -18,7 +19,8 @@ import pytest
 
 from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import connect, create_request, make_post_completion
-from tests.inprocess import MODEL, openai_client
+from tests.adapters import build_adapter
+from tests.inprocess import MODEL, anthropic_client, openai_client
 from tests.served import FOLLOWER_IDLE_S, check_routing_across_an_idle_spell, router_config
 
 PAGE = 16
@@ -31,10 +33,18 @@ TWO_REPLICAS = {
 
 
 @pytest.fixture(scope="module")
-def two_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
+def adapters(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
+    folder = tmp_path_factory.mktemp("served-adapters")
+    for seed, name in enumerate(("a", "b"), start=1):
+        build_adapter(model_path, folder / name, seed)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_engines(tmp_path_factory: pytest.TempPathFactory, adapters: Path) -> Iterator[ServeRun]:
     run = ServeRun(
         tmp_path_factory.mktemp("scale-out"),
-        args={"cache_tokens": 4096, "max_model_len": 2048, "num_threads": 1},
+        args={"cache_tokens": 4096, "max_model_len": 2048, "num_threads": 1, "dynamic_lora_loading_path": str(adapters)},
         deployments={"EngineDeployment": TWO_REPLICAS},
     )
     try:
@@ -86,6 +96,42 @@ def test_every_turn_of_a_conversation_finds_its_history_cached(two_engines: Serv
             assert cached >= (previous_prompt - 1) // PAGE * PAGE, turns  # the whole earlier prompt, in pages
     tasks = {replica: count - before[replica] for replica, count in _replica_tasks(two_engines).items()}
     assert len(tasks) == 2 and all(count > 0 for count in tasks.values()), tasks  # the conversations spread over both
+
+
+def test_adapters_answer_through_the_sdks_and_their_conversations_find_their_pages(two_engines: ServeRun) -> None:
+    """`<model>:<adapter>` through `serve run` with both SDKs; the router hashes an adapter's pages as the
+    engine caches them (the adapter in the key), so every later turn under an adapter finds its history."""
+    client, claude = openai_client(two_engines.url), anthropic_client(two_engines.url)
+    listed = {card.id: card.parent for card in client.models.list()}
+    assert listed[f"{MODEL}:a"] == MODEL and listed[f"{MODEL}:b"] == MODEL
+    ask = [{"role": "user", "content": "Name a colour."}]
+    answers = {
+        name: client.chat.completions.create(model=name, messages=ask, max_tokens=8, temperature=0).choices[0].message.content
+        for name in (MODEL, f"{MODEL}:a", f"{MODEL}:b")
+    }
+    assert len(set(answers.values())) == 3, answers  # each adapter changes the answer
+    message = claude.messages.create(model=f"{MODEL}:a", messages=ask, max_tokens=8, extra_body={"temperature": 0})
+    assert message.content[0].text == answers[f"{MODEL}:a"] and message.model == f"{MODEL}:a"
+
+    def converse(index: int) -> list[tuple[int, int]]:
+        model = f"{MODEL}:{'ab'[index % 2]}"
+        system = f"You are adapter assistant {index}. " + f"Adapter conversation {index} is about topic {index * 5}. " * 12
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Hi {index}."}]
+        seen = []
+        for turn in range(3):
+            reply = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+            seen.append((reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens))
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": f"More, turn {turn}."}]
+        return seen
+
+    before = _replica_tasks(two_engines)
+    with ThreadPoolExecutor(8) as pool:
+        for turns in pool.map(converse, range(8)):
+            for (previous_prompt, _), (_, cached) in zip(turns, turns[1:]):
+                assert cached >= (previous_prompt - 1) // PAGE * PAGE, turns
+    tasks = {replica: count - before[replica] for replica, count in _replica_tasks(two_engines).items()}
+    assert len(tasks) == 2 and all(count > 0 for count in tasks.values()), tasks  # spread over both, as they began
 
 
 def test_the_choices_of_one_request_are_each_routed(two_engines: ServeRun) -> None:
