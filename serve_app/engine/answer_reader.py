@@ -184,7 +184,47 @@ class _Arguments:
         self.pieces: list[str] = []
 
 
-class GenericReader(AnswerReader):
+class _CallReader(AnswerReader):
+    """What both tool-call formats share: a state machine stepped over the buffer, and a call's arguments
+    read from its header's end to their value's end."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__()
+        self._state = state
+        self._arguments: _Arguments | None = None
+
+    def _json_scanner(self) -> JsonScanner | None:
+        return self._arguments.scanner if self._state == "arguments" and self._arguments is not None else None
+
+    def _read(self, final: bool) -> None:
+        while self._at < len(self._buffer) and self._step(final):
+            pass
+
+    @abstractmethod
+    def _step(self, final: bool) -> bool:
+        """Read one thing; False when the buffer holds nothing more to settle now."""
+
+    def _open_call(self, header: re.Match[str]) -> bool:
+        """A call's header is read (its tool's name in group `name`): its arguments come next."""
+        self._arguments = _Arguments(json.loads(f'"{header.group("name")}"', strict=False))
+        self._state, self._at = "arguments", header.end()
+        return True
+
+    def _read_arguments(self) -> bool:
+        """Read on in the open call's arguments; once their value ends, the call (then its closer)."""
+        arguments, buffer, at = self._arguments, self._buffer, self._at
+        assert arguments is not None
+        end = arguments.scanner.feed(buffer, at)
+        arguments.pieces.append(buffer[at:end])
+        if end is None:
+            self._at = len(buffer)
+            return False
+        self._call(arguments.name, "".join(arguments.pieces).strip())
+        self._state, self._at, self._arguments = "closer", end, None
+        return not self.repeated
+
+
+class GenericReader(_CallReader):
     """The generic format: `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`, or `{"response": ...}`
     whose value is the answer's text (a string) or, with an answer schema, the answer's JSON itself."""
 
@@ -196,10 +236,8 @@ class GenericReader(AnswerReader):
     _LIST_END = re.compile(r"\s*\]")
 
     def __init__(self, json_answer: bool) -> None:
-        super().__init__()
+        super().__init__("start")  # start, response, response_json, header, arguments, closer, done
         self._json_answer = json_answer
-        self._state = "start"  # start, response, response_json, header, arguments, closer, done
-        self._arguments: _Arguments | None = None
         self._answer = JsonScanner()
 
     @property
@@ -207,16 +245,9 @@ class GenericReader(AnswerReader):
         return self._state != "response"
 
     def _json_scanner(self) -> JsonScanner | None:
-        if self._state == "arguments" and self._arguments is not None:
-            return self._arguments.scanner
-        return self._answer if self._state == "response_json" else None
-
-    def _read(self, final: bool) -> None:
-        while self._at < len(self._buffer) and self._step(final):
-            pass
+        return self._answer if self._state == "response_json" else super()._json_scanner()
 
     def _step(self, final: bool) -> bool:
-        """Read one thing; False when the buffer holds nothing more to settle now."""
         buffer, at = self._buffer, self._at
         match self._state:
             case "start":
@@ -244,9 +275,7 @@ class GenericReader(AnswerReader):
                 return False
             case "header":
                 if (header := self._HEADER.match(buffer, at)) is not None:
-                    self._arguments = _Arguments(json.loads(f'"{header.group("name")}"', strict=False))
-                    self._state, self._at = "arguments", header.end()
-                    return True
+                    return self._open_call(header)
                 if self._LIST_END.match(buffer, at) is not None:
                     self._state, self._at = "done", len(buffer)
                     return False
@@ -262,18 +291,6 @@ class GenericReader(AnswerReader):
                 self._at = len(buffer)
                 return False
 
-    def _read_arguments(self) -> bool:
-        arguments, buffer, at = self._arguments, self._buffer, self._at
-        assert arguments is not None
-        end = arguments.scanner.feed(buffer, at)
-        arguments.pieces.append(buffer[at:end])
-        if end is None:
-            self._at = len(buffer)
-            return False
-        self._call(arguments.name, "".join(arguments.pieces).strip())
-        self._state, self._at, self._arguments = "closer", end, None
-        return not self.repeated
-
     def _give_up(self, most: int) -> bool:
         """Wait for more text, unless `most` characters came without a match: then nothing more is read."""
         if len(self._buffer) - self._at > most:
@@ -281,32 +298,23 @@ class GenericReader(AnswerReader):
         return False
 
 
-class TemplateReader(AnswerReader):
+class TemplateReader(_CallReader):
     """A chat template's own format: text until one of `markers`; a call is `header` (the tool's name in
     group `name`), its arguments' JSON value, `closer`; text may follow a call."""
 
     def __init__(
         self, markers: tuple[str, ...], header: re.Pattern[str], arguments_key: re.Pattern[str], closer: re.Pattern[str]
     ) -> None:
-        super().__init__()
+        super().__init__("text")  # text, header, arguments, closer
         self._markers = markers
         self._header = header
         self._arguments_key = arguments_key  # the header's last key: a marker without it may still become a call
         self._closer = closer
-        self._state = "text"  # text, header, arguments, closer
-        self._arguments: _Arguments | None = None
         self._after_call = False  # text right after a call goes without its leading separators
 
     @property
     def constrained(self) -> bool:
         return self._state != "text"
-
-    def _json_scanner(self) -> JsonScanner | None:
-        return self._arguments.scanner if self._state == "arguments" and self._arguments is not None else None
-
-    def _read(self, final: bool) -> None:
-        while self._at < len(self._buffer) and self._step(final):
-            pass
 
     def _step(self, final: bool) -> bool:
         buffer, at = self._buffer, self._at
@@ -323,9 +331,7 @@ class TemplateReader(AnswerReader):
                 return True
             case "header":
                 if (header := self._header.match(buffer, at)) is not None:
-                    self._arguments = _Arguments(json.loads(f'"{header.group("name")}"', strict=False))
-                    self._state, self._at = "arguments", header.end()
-                    return True
+                    return self._open_call(header)
                 window = buffer[at : at + _MOST_HEADER]
                 if not final and len(window) < _MOST_HEADER and self._arguments_key.search(window) is None:
                     return False  # may still become a call
@@ -333,16 +339,7 @@ class TemplateReader(AnswerReader):
                 self._state, self._at = "text", at + 1
                 return True
             case "arguments":
-                arguments = self._arguments
-                assert arguments is not None
-                end = arguments.scanner.feed(buffer, at)
-                arguments.pieces.append(buffer[at:end])
-                if end is None:
-                    self._at = len(buffer)
-                    return False
-                self._call(arguments.name, "".join(arguments.pieces).strip())
-                self._state, self._at, self._arguments = "closer", end, None
-                return not self.repeated
+                return self._read_arguments()
             case _:  # closer
                 closer = self._closer.match(buffer, at)
                 settled = closer is not None and (closer.end() < len(buffer) or final)
