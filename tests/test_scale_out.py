@@ -9,7 +9,7 @@ the time; here every later turn (under a LoRA adapter too) and every KV lookup m
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -74,16 +74,18 @@ def _replica_tasks(run: ServeRun) -> dict[str, int]:
     return {replica: s["total_tasks"] for replica, s in stats.items()}
 
 
-def test_every_turn_of_a_conversation_finds_its_history_cached(two_engines: ServeRun) -> None:
-    client = openai_client(two_engines.url)
-    before = _replica_tasks(two_engines)
+def _conversations_find_their_history(run: ServeRun, model_of: Callable[[int], str], kind: str) -> None:
+    """Eight three-turn conversations at once (the i-th with model `model_of(i)`, their system prompts
+    naming `kind`): every later turn finds the whole earlier prompt cached, and they spread over both replicas."""
+    client = openai_client(run.url)
+    before = _replica_tasks(run)
 
     def converse(index: int) -> list[tuple[int, int]]:
-        system = f"You are assistant number {index}. " + f"Conversation {index} is about topic {index * 7}. " * 12
+        system = f"You are {kind} assistant {index}. " + f"{kind} conversation {index} is about topic {index * 7}. " * 12
         messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Hello {index}."}]
         seen = []
         for turn in range(3):
-            reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+            reply = client.chat.completions.create(model=model_of(index), messages=messages, max_tokens=6, temperature=0)
             seen.append((reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens))
             messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                          {"role": "user", "content": f"Tell me more, turn {turn}."}]
@@ -94,13 +96,17 @@ def test_every_turn_of_a_conversation_finds_its_history_cached(two_engines: Serv
     for turns in conversations:
         for (previous_prompt, _), (_, cached) in zip(turns, turns[1:]):
             assert cached >= (previous_prompt - 1) // PAGE * PAGE, turns  # the whole earlier prompt, in pages
-    tasks = {replica: count - before[replica] for replica, count in _replica_tasks(two_engines).items()}
+    tasks = {replica: count - before[replica] for replica, count in _replica_tasks(run).items()}
     assert len(tasks) == 2 and all(count > 0 for count in tasks.values()), tasks  # the conversations spread over both
 
 
+def test_every_turn_of_a_conversation_finds_its_history_cached(two_engines: ServeRun) -> None:
+    _conversations_find_their_history(two_engines, lambda index: MODEL, "a base-model")
+
+
 def test_adapters_answer_through_the_sdks_and_their_conversations_find_their_pages(two_engines: ServeRun) -> None:
-    """`<model>:<adapter>` through `serve run` with both SDKs; the router hashes an adapter's pages as the
-    engine caches them (the adapter in the key), so every later turn under an adapter finds its history."""
+    """`<model>:<adapter>` through `serve run` with both SDKs, and every later turn of a conversation under
+    an adapter finds its history."""
     client, claude = openai_client(two_engines.url), anthropic_client(two_engines.url)
     listed = {card.id: card.parent for card in client.models.list()}
     assert listed[f"{MODEL}:a"] == MODEL and listed[f"{MODEL}:b"] == MODEL
@@ -113,25 +119,7 @@ def test_adapters_answer_through_the_sdks_and_their_conversations_find_their_pag
     message = claude.messages.create(model=f"{MODEL}:a", messages=ask, max_tokens=8, extra_body={"temperature": 0})
     assert message.content[0].text == answers[f"{MODEL}:a"] and message.model == f"{MODEL}:a"
 
-    def converse(index: int) -> list[tuple[int, int]]:
-        model = f"{MODEL}:{'ab'[index % 2]}"
-        system = f"You are adapter assistant {index}. " + f"Adapter conversation {index} is about topic {index * 5}. " * 12
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Hi {index}."}]
-        seen = []
-        for turn in range(3):
-            reply = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
-            seen.append((reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens))
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                         {"role": "user", "content": f"More, turn {turn}."}]
-        return seen
-
-    before = _replica_tasks(two_engines)
-    with ThreadPoolExecutor(8) as pool:
-        for turns in pool.map(converse, range(8)):
-            for (previous_prompt, _), (_, cached) in zip(turns, turns[1:]):
-                assert cached >= (previous_prompt - 1) // PAGE * PAGE, turns
-    tasks = {replica: count - before[replica] for replica, count in _replica_tasks(two_engines).items()}
-    assert len(tasks) == 2 and all(count > 0 for count in tasks.values()), tasks  # spread over both, as they began
+    _conversations_find_their_history(two_engines, lambda index: f"{MODEL}:{'ab'[index % 2]}", "an adapter's")
 
 
 def test_the_choices_of_one_request_are_each_routed(two_engines: ServeRun) -> None:
