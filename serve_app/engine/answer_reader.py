@@ -412,9 +412,7 @@ def reader_for(spec: StructuredOutput) -> AnswerReader | None:
     """A reader of answers under `spec`, where they are JSON or tool calls (None for a regex, choice or grammar)."""
     if spec.tool_calls is not None:
         return tool_reader(spec.tool_calls)
-    if spec.kind in ("json", "json_object"):
-        return JsonAnswerReader()
-    return None
+    return JsonAnswerReader() if spec.is_json else None
 
 
 def _decode_string(text: str, begin: int) -> tuple[str, int]:

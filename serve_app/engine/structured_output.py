@@ -81,6 +81,11 @@ class StructuredOutput(BaseModel):
         return next(name for name, value in self._constraints().items() if value not in (None, False))
 
     @property
+    def is_json(self) -> bool:
+        """Whether the answer is JSON or tool calls (what `max_string_tokens` and `max_constrained_tokens` bound)."""
+        return self.kind in ("json", "json_object", "tool_calls")
+
+    @property
     def key(self) -> str:
         """A canonical text of the constraint: equal constraints compile once."""
         return json.dumps({self.kind: self._constraints()[self.kind]}, sort_keys=True, separators=(",", ":"))

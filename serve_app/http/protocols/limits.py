@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serve_app.config import ServerConfig
-from serve_app.engine.request import GenerateRequest
 from serve_app.http.protocols.base import PreparedRequest
 from serve_app.http.protocols.errors import invalid
 
@@ -60,7 +59,8 @@ class RequestLimits:
                 messages_param,
             )
         asked = first.max_tokens
-        if asked is None and self.max_constrained_tokens is not None and _json_answer(first):
+        spec = first.structured_output
+        if asked is None and self.max_constrained_tokens is not None and spec is not None and spec.is_json:
             bound = {"max_constrained_tokens": self.max_constrained_tokens}
             prepared.requests = [r.model_copy(update=bound) for r in prepared.requests]
         if self.max_output_tokens is None:
@@ -73,8 +73,3 @@ class RequestLimits:
             prepared.requests = [r.model_copy(update={"max_tokens": self.max_output_tokens}) for r in prepared.requests]
         return prepared
 
-
-def _json_answer(request: GenerateRequest) -> bool:
-    """Whether the request's answer is JSON or tool calls (what `max_constrained_tokens` bounds)."""
-    spec = request.structured_output
-    return spec is not None and spec.kind in ("json", "json_object", "tool_calls")
