@@ -89,15 +89,17 @@ class GrammarCompiler:
         """What holds `request`'s answer beyond its grammar (a JSON or tool-call answer's repeats and
         lengths); InvalidRequestError where it sets a JSON answer's limit without one."""
         spec = request.structured_output
-        reader = reader_for(spec) if spec is not None else None
         limits = {"max_string_tokens": request.max_string_tokens, "max_constrained_tokens": request.max_constrained_tokens}
         for name, value in limits.items():
-            if value is not None and reader is None:
+            if value is not None and (spec is None or not spec.is_json):
                 raise InvalidRequestError(name, "applies to a JSON answer: give it with a JSON schema, json_object or tools")
         if request.max_string_tokens is not None and self.quote_token is None:
             raise InvalidRequestError("max_string_tokens", "this tokenizer has no single token that closes a string")
-        if reader is None:
+        # A plain JSON answer with neither limit has nothing to guard: no reading per token then.
+        if spec is None or (spec.tool_calls is None and not any(v is not None for v in limits.values())):
             return None
+        reader = reader_for(spec)
+        assert reader is not None, "a tool-call or limited JSON answer has a reader"
         return AnswerGuard(reader, self.quote_token, request.max_string_tokens, request.max_constrained_tokens)
 
     def mask(
