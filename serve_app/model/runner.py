@@ -157,6 +157,8 @@ class ModelRunner:
 
     def _adapter_rows(self, batch: ForwardBatch) -> AdapterRows | None:
         """The batch's rows of each adapter slot in it."""
+        if self.adapters is None:
+            return None
         rows: dict[int, list[int]] = {}
         row = 0
         for entry, slot in zip(batch.entries, batch.adapter_slots):

@@ -21,7 +21,6 @@ from serve_app.http.protocols.base import (
 )
 from serve_app.http.protocols.errors import (
     ProtocolError,
-    invalid,
     refuse_fields,
     validate_body,
 )
