@@ -1,5 +1,5 @@
-"""build_app(args): the Serve application graph, Ingress -> EngineDeployment, with the ReplicaBoard and
-the Responses API's ResponseStore."""
+"""build_app(args): the Serve application graph, Ingress -> one EngineDeployment per model (`llm_configs`),
+with the ReplicaBoard and the Responses API's ResponseStore."""
 
 from __future__ import annotations
 
@@ -10,27 +10,27 @@ from typing import Any
 from pydantic import ValidationError
 from ray.serve import Application
 
+from deployments.app_args import AppConfig
 from deployments.engine import EngineDeployment
 from deployments.ingress import Ingress
 from deployments.model_copy import check_model
 from deployments.replica_board import ReplicaBoard
 from deployments.response_store import ResponseStoreDeployment
-from serve_app.config import AppConfig
 from serve_app.http.tenants import KEYS_ENV
-
-# Engine options whose defaults depend on the node a replica runs on: its cache folder
-# (`$SERVE_APP_CACHE_DIR` there, else ~/.cache/serve-app) and its device (`$SERVE_APP_DEVICE` there).
-NODE_DEFAULTS = ("cache_dir", "device")
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """Validate the application args and the model source, and bind the deployments. Each replica
-    prepares the model on its own node, into that node's cache folder."""
+    """Validate the application args and the model sources, and bind the deployments. Each replica
+    prepares its model on its own node, into that node's cache folder (and on its node's device),
+    unless the model's `engine_kwargs` set `cache_dir` or `device`."""
     try:
         config = AppConfig.from_args(args)
+        for llm in config.llm_configs:
+            llm.engine()  # its engine options together (a batch that fits, LoRA with what the model allows)
     except ValidationError as error:
         raise ValueError(f"invalid serve_app application args:\n{error}") from None
-    check_model(config.engine.model.name)
+    for llm in config.llm_configs:
+        check_model(llm.model_loading_config.source)
     # Every ingress replica must derive the same salts and know the same keys.
     server = config.server.model_copy(
         update={
@@ -39,11 +39,12 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         }
     )
     config = config.model_copy(update={"server": server})
-    dumped = config.model_dump(mode="json")
-    for key in NODE_DEFAULTS:  # left open unless the args set them: each replica's node decides
-        if key not in (args or {}):
-            del dumped["engine"]["model"][key]
     board = ReplicaBoard.bind()
-    engine = EngineDeployment.bind(dumped, board)
+    engines = {
+        llm.model_id: EngineDeployment.options(name=llm.deployment_name, **llm.deployment_config).bind(
+            llm.model_dump(mode="json", exclude_defaults=True), board
+        )
+        for llm in config.llm_configs
+    }
     responses = ResponseStoreDeployment.bind(server.max_stored_responses, server.stored_response_max_age_s)
-    return Ingress.bind(engine, board, responses, dumped)
+    return Ingress.bind(engines, board, responses, config.model_dump(mode="json", exclude_defaults=True))

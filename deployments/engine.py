@@ -1,4 +1,5 @@
-"""EngineDeployment: one engine per replica, in its own process, streaming deltas through an async generator."""
+"""EngineDeployment: one model's engine per replica (one deployment per `llm_configs` entry), in its own
+process, streaming deltas through an async generator."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.model_copy import model_here
 from deployments.placement import Placement
-from serve_app.config import AppConfig
+from deployments.app_args import LLMConfig
 from serve_app.engine.calls import EngineCall
 from serve_app.engine.process import EngineProcess, EngineProcessError
 from serve_app.engine.request import GenerateRequest
@@ -44,16 +45,19 @@ class EngineDeployment:
     event loop: every exchange with the engine process is awaited.
     """
 
-    def __init__(self, config: dict[str, Any], board: DeploymentHandle) -> None:
-        app_config = AppConfig.model_validate(config)
-        model = app_config.engine.model
-        engine_config = app_config.engine.with_options(model=model_here(model.name, model.cache_dir))
-        self.engine = EngineProcess(Placement.of_this_actor().apply(engine_config))
+    def __init__(self, llm: dict[str, Any], board: DeploymentHandle) -> None:
+        llm_config = LLMConfig.model_validate(llm)
+        config = llm_config.engine()  # on this node: its cache folder and device, unless the args set them
+        model = config.model
+        self.engine = EngineProcess(
+            Placement.of_this_actor().apply(config.with_options(model=model_here(model.name, model.cache_dir)))
+        )
         engine = self.engine
-        self.info = ModelInfo(app_config.served_model_name, engine.max_model_len, engine.created, engine.tool_format)
-        self._page_size = app_config.engine.cache.page_size
+        self.info = ModelInfo(llm_config.model_id, engine.max_model_len, engine.created, engine.tool_format)
+        self._page_size = config.cache.page_size
         self._board = board
-        self._replica_id = serve.get_replica_context().replica_id.unique_id
+        replica = serve.get_replica_context().replica_id
+        self._replica_id, self._deployment = replica.unique_id, replica.deployment_id.name
         self._place = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         # On the replica's event loop: Serve handles may be called only from a running loop.
         self._reporter = asyncio.get_running_loop().create_task(self._report_stats())
@@ -92,6 +96,7 @@ class EngineDeployment:
                 continue
             try:
                 lost_track = await self._board.report.remote(
+                    self._deployment,
                     self._replica_id, self._place, stats, self.info, pages, self._page_size
                 )
             except Exception:  # the board may be restarting; the next round retries with the same pages

@@ -1,4 +1,5 @@
-"""Ingress: the HTTP API (serve_app.http.app) with an engine client made of Ray Serve handles.
+"""Ingress: the HTTP API (serve_app.http.app) with an engine client made of Ray Serve handles per model
+(one engine deployment each).
 
 Prompts are rendered and tokenized here, once, so the engine replicas get token ids and the
 request router can hash their pages."""
@@ -19,9 +20,9 @@ from ray import serve
 from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle
 
+from deployments.app_args import AppConfig
 from deployments.model_copy import model_here
 from deployments.response_store import RayResponses
-from serve_app.config import AppConfig
 from serve_app.engine.calls import CountTokens, EngineCall
 from serve_app.engine.request import GenerateRequest, StreamDelta
 from serve_app.http.app import create_api
@@ -33,6 +34,7 @@ from serve_app.http.engine_client import (
     unwrap,
 )
 from serve_app.http.prompt_encoder import PromptEncoder
+from serve_app.http.served_models import ServedModels
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.tenants import TenantDirectory
 from serve_app.model.loader import resolve_model_path
@@ -44,10 +46,12 @@ READY_TTL_S = 0.5
 
 
 class RayEngineClient(EngineClient):
-    """Generation streams and calls from the engine deployment; readiness, model info and stats from the board."""
+    """Generation streams and calls from one model's engine deployment; its readiness and model info, and the
+    stats of every engine, from the board."""
 
     def __init__(self, engine: DeploymentHandle, board: DeploymentHandle, prompts: PromptEncoder) -> None:
         self._prompts = prompts
+        self._deployment = engine.deployment_name
         self._stream = engine.options(stream=True)
         # KV tensors (hundreds of MB) go through Ray's object store, not a replica's gRPC message limit.
         self._calls = engine.options(_by_reference=True)
@@ -105,7 +109,7 @@ class RayEngineClient(EngineClient):
         return self._ready and self._info is not None
 
     async def _refresh(self) -> None:
-        self._ready, info = await self._board.status.remote()
+        self._ready, info = await self._board.status.remote(self._deployment)
         self._info = self._info or info
         self._checked = time.monotonic()
 
@@ -134,15 +138,23 @@ def _as_its_own_call() -> contextvars.Context:
 @serve.ingress()
 class Ingress:
     def __init__(
-        self, engine: DeploymentHandle, board: DeploymentHandle, responses: DeploymentHandle, config: dict[str, Any]
+        self,
+        engines: dict[str, DeploymentHandle],
+        board: DeploymentHandle,
+        responses: DeploymentHandle,
+        config: dict[str, Any],
     ) -> None:
+        """`engines`: each model's engine deployment, by model id."""
         app_config = AppConfig.model_validate(config)
         server = app_config.server
         tenants = TenantDirectory.from_config(server.api_keys_file, server.cache_salt_secret)
-        model = app_config.engine.model
-        prompts = PromptEncoder(resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir))
+        clients = {}
+        for model_id, engine in engines.items():
+            model = app_config.model(model_id).engine().model  # its tokenizer, prepared on this node
+            prompts = PromptEncoder(resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir))
+            clients[model_id] = RayEngineClient(engine, board, prompts)
         self.context = ServerContext(
-            RayEngineClient(engine, board, prompts), server, tenants=tenants, responses=RayResponses(responses)
+            ServedModels(clients), server, tenants=tenants, responses=RayResponses(responses)
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:

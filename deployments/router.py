@@ -1,10 +1,11 @@
-"""PrefixAwareRouter: Serve's request router for `EngineDeployment`, chosen in serve_config.yaml
-(`request_router_config`). It sends a request to the replica holding the longest run of its
-prompt's pages (the prefix cache's own chained hashes, with the tenant's cache salt), unless
-queues are imbalanced; KV calls (`LookupKV`, `RetrieveKV`, `StoreKV`) go where their prefix is.
+"""PrefixAwareRouter: Serve's request router for each model's engine deployment, chosen in
+serve_config.yaml (`request_router_config`). It sends a request to the replica holding the longest run
+of its prompt's pages (the prefix cache's own chained hashes, with the tenant's cache salt and the
+LoRA adapter), else to one it has sent the request's adapter to, unless queues are imbalanced; KV
+calls (`LookupKV`, `RetrieveKV`, `StoreKV`) go where their prefix is.
 
-It learns what each replica holds by following the ReplicaBoard's page directory in the
-background while requests come (every ingress's router reads the same view; each ask waits at the
+It learns what each replica holds by following its deployment's page directory on the ReplicaBoard in
+the background while requests come (every ingress's router reads the same view; each ask waits at the
 board for news, at most every `refresh_s`; a router idle for `idle_after_s` stops asking, and
 catches up on its next request) and by noting where it has just sent a prompt. It times its own
 decisions and tells the board (`/stats/routing`), with how often its follower has started and how
@@ -73,7 +74,8 @@ class PrefixAwareRouter(RequestRouter):
         self._hashes: OrderedDict[str, list[PageHash]] = OrderedDict()  # by internal request id, until routed
         self._costs = DecisionCosts()
         self._reported: dict[str, float] = {}
-        self._name = f"{self.app_name}:{os.getpid()}:{id(self):x}"
+        self._deployment = self._deployment_id.name
+        self._name = f"{self.app_name}:{self._deployment}:{os.getpid()}:{id(self):x}"
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -84,13 +86,16 @@ class PrefixAwareRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True  # full replicas: wait, do not spin
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         loads = {key: self.replica_queue_len_cache.get(replica.replica_id) or 0 for key, replica in by_id.items()}
-        ranked = self._routing.rank(self._page_hashes(pending_request), by_id, loads)
+        adapter = _adapter_of(pending_request.args) if pending_request is not None else None
+        ranked = self._routing.rank(self._page_hashes(pending_request), by_id, loads, adapter)
         self._costs.add(time.perf_counter() - started)
         return [[by_id[key] for key in group] for group in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         hashes = self._hashes.pop(pending_request.metadata.internal_request_id, None)
-        self._routing.routed(replica_id.unique_id, hashes if hashes is not None else self._page_hashes(pending_request))
+        if hashes is None:
+            hashes = self._page_hashes(pending_request)
+        self._routing.routed(replica_id.unique_id, hashes, _adapter_of(pending_request.args))
 
     def _page_hashes(self, pending_request: PendingRequest | None) -> list[PageHash]:
         """The chained hashes of the request's whole prompt pages, as the engine's prefix cache makes them:
@@ -128,8 +133,13 @@ class PrefixAwareRouter(RequestRouter):
             try:
                 board = self._board_handle()
                 index = self._routing.index
-                index.apply(await board.page_changes.remote(index.seq, WAIT_FOR_CHANGES_S))
-                report = {**self._costs.summary(), "follower_starts": self._follower_starts, "pages_known": len(index)}
+                index.apply(await board.page_changes.remote(self._deployment, index.seq, WAIT_FOR_CHANGES_S))
+                report = {
+                    **self._costs.summary(),
+                    "follower_starts": self._follower_starts,
+                    "pages_known": len(index),
+                    "adapters_known": len(self._routing.adapters),
+                }
                 if report != self._reported and time.monotonic() - last_report >= REPORT_COSTS_S:
                     await board.report_routing.remote(self._name, report)
                     self._reported, last_report = report, time.monotonic()
@@ -147,3 +157,9 @@ def _prompt_of(args: Sequence[Any]) -> tuple[list[int], str] | None:
     if isinstance(first, (LookupKV, RetrieveKV, StoreKV)):
         return first.tokens, first.cache_salt
     return None
+
+
+def _adapter_of(args: Sequence[Any]) -> str | None:
+    """The LoRA adapter a generate request runs with."""
+    first = args[0] if args else None
+    return first.lora if isinstance(first, GenerateRequest) else None

@@ -64,12 +64,19 @@ class ModelConfig(_Strict):
     dynamic_lora_loading_path: Path | None = Field(
         None, description="a folder of LoRA adapters (PEFT folders, one per adapter name), each loaded on first use"
     )
+    lora_paths: dict[str, Path] = Field(
+        default_factory=dict, description="named LoRA adapters: name -> PEFT folder, next to those of the loading path"
+    )
     max_num_adapters_per_replica: int = Field(8, ge=1, description="LoRA adapters held at once; least recently used out")
     max_lora_rank: int = Field(16, ge=1, description="the largest LoRA rank an adapter may have")
 
+    @property
+    def serves_adapters(self) -> bool:
+        return self.dynamic_lora_loading_path is not None or bool(self.lora_paths)
+
     @model_validator(mode="after")
     def _lora_without_compile(self) -> ModelConfig:
-        if self.dynamic_lora_loading_path is not None and self.compile:
+        if self.serves_adapters and self.compile:
             raise ValueError("compile: LoRA adapters run on the eager forward only; leave compile off with them")
         return self
 
@@ -104,7 +111,8 @@ class SchedulerConfig(_Strict):
     )
 
 
-_FLAT_KEYS: dict[str, tuple[str, str]] = {
+# The engine's flat options (`InferenceEngine(**options)`, the app's `engine_kwargs`): name -> (section, field).
+FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "model": ("model", "name"),
     "device": ("model", "device"),
     "dtype": ("model", "dtype"),
@@ -116,6 +124,7 @@ _FLAT_KEYS: dict[str, tuple[str, str]] = {
     "quantization": ("model", "quantization"),
     "compile": ("model", "compile"),
     "dynamic_lora_loading_path": ("model", "dynamic_lora_loading_path"),
+    "lora_paths": ("model", "lora_paths"),
     "max_num_adapters_per_replica": ("model", "max_num_adapters_per_replica"),
     "max_lora_rank": ("model", "max_lora_rank"),
     "kv_cache": ("cache", "kind"),
@@ -159,17 +168,16 @@ class EngineConfig(_Strict):
         """A copy with flat options applied on top."""
         data = self.model_dump()
         for key, value in options.items():
-            if key not in _FLAT_KEYS:
-                raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(_FLAT_KEYS))}")
-            section, field = _FLAT_KEYS[key]
+            if key not in FLAT_OPTIONS:
+                raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(FLAT_OPTIONS))}")
+            section, field = FLAT_OPTIONS[key]
             data[section][field] = value
         return type(self).model_validate(data)
 
 
 class ServerConfig(_Strict):
-    """The HTTP side: the model name clients send, and request limits."""
+    """The HTTP side: request limits, tenants and stored responses."""
 
-    served_model_name: str | None = Field(None, description="the `model` clients send; defaults to the model option")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
     max_kv_bytes: int = Field(1024**3, ge=1024, description="larger `/v1/kv/store` bodies get 413")
     max_n: int = Field(16, ge=1, description="choices per request at most")
@@ -191,28 +199,3 @@ class ServerConfig(_Strict):
         1000, ge=0, description="Responses-API responses kept per tenant for previous_response_id; 0: none"
     )
     stored_response_max_age_s: float = Field(3600.0, gt=0, description="a stored response is dropped after this long")
-
-
-class AppConfig(_Strict):
-    """The `args` of the Serve application: flat engine options plus the server fields."""
-
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    server: ServerConfig = Field(default_factory=ServerConfig)
-
-    @classmethod
-    def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
-        """The config the args give; ValueError naming a key that is neither an engine nor a server option,
-        with both lists."""
-        args = dict(args or {})
-        unknown = [key for key in args if key not in _FLAT_KEYS and key not in ServerConfig.model_fields]
-        if unknown:
-            raise ValueError(
-                f"unknown application arg {unknown[0]!r}; engine options: {', '.join(sorted(_FLAT_KEYS))}; "
-                f"server options: {', '.join(sorted(ServerConfig.model_fields))}"
-            )
-        server = {key: args.pop(key) for key in list(args) if key in ServerConfig.model_fields}
-        return cls(engine=EngineConfig.from_options(**args), server=ServerConfig(**server))
-
-    @property
-    def served_model_name(self) -> str:
-        return self.server.served_model_name or self.engine.model.name

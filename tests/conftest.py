@@ -79,8 +79,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
     settings, no RAY_ADDRESS), on a free port, shared by every end-to-end test. Its request router stops
     following the replica board after FOLLOWER_IDLE_S without requests, so tests see it restart."""
     run = ServeRun(
-        tmp_path_factory.mktemp("serve"), args={"cache_tokens": 8192, "max_model_len": 2048}, plain=True,
-        deployments={"EngineDeployment": {"request_router_config": router_config(idle_after_s=FOLLOWER_IDLE_S)}},
+        tmp_path_factory.mktemp("serve"), engine_kwargs={"cache_tokens": 8192, "max_model_len": 2048}, plain=True,
+        engine_deployment={"request_router_config": router_config(idle_after_s=FOLLOWER_IDLE_S)},
     )
     yield run
     run.stop()

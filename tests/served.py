@@ -28,7 +28,7 @@ FOLLOWER_IDLE_S = 2.0
 def router_config(**kwargs: float) -> dict:
     """The engine's `request_router_config` of serve_config.yaml, with these `request_router_kwargs` changed."""
     app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
-    config = next(d for d in app["deployments"] if d["name"] == "EngineDeployment")["request_router_config"]
+    config = app["args"]["llm_configs"][0]["deployment_config"]["request_router_config"]
     return {**config, "request_router_kwargs": {**config["request_router_kwargs"], **kwargs}}
 
 

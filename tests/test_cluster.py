@@ -39,7 +39,7 @@ AUTOSCALED = {
     },
     "ray_actor_options": {"num_cpus": 1},  # one replica per node
 }
-ARGS = {"cache_tokens": 4096, "max_model_len": 1024, "served_model_name": MODEL}
+ENGINE_KWARGS = {"cache_tokens": 4096, "max_model_len": 1024}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, head_only: Path) -> Iterat
 def app(cluster: TwoNodeCluster, head_only: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
     run = ServeRun(
         tmp_path_factory.mktemp("cluster-app"), address=cluster.address, proxy_location="HeadOnly", env=cluster.env,
-        args={**ARGS, "model": str(head_only / "smollm2")}, deployments={"EngineDeployment": AUTOSCALED}, plain=True,
+        models=[{"model_loading_config": {"model_id": MODEL, "model_source": str(head_only / "smollm2")}}],
+        engine_kwargs=ENGINE_KWARGS, engine_deployment=AUTOSCALED, plain=True,
     )
     yield run
     run.stop()
@@ -181,7 +182,7 @@ def test_a_changed_config_deployed_rolls_the_replicas_without_dropping_a_stream(
     _wait_for(lambda: len(_replicas(app)) == 1 and all(is_idle(s) for s in _replicas(app).values()), 120, "settled")
     before = set(_replicas(app))
     config = yaml.safe_load(app.config_path.read_text())
-    config["applications"][0]["args"].update(max_num_seqs=64, cache_tokens=2048)
+    config["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"].update(max_num_seqs=64, cache_tokens=2048)
     changed = app.config_path.with_name("changed.yaml")
     changed.write_text(yaml.safe_dump(config))
     client = openai_client(app.url)

@@ -22,8 +22,10 @@ def _serve_config() -> ServeDeploySchema:
     return ServeDeploySchema.model_validate(yaml.safe_load(MANIFEST["spec"]["serveConfigV2"]))
 
 
-def _engine(config: ServeDeploySchema):
-    return next(d for d in config.applications[0].deployments if d.name == "EngineDeployment")
+def _engine(config: ServeDeploySchema) -> dict:
+    """The deployment options of the app's (one) model's engine deployment."""
+    (model,) = config.applications[0].args["llm_configs"]
+    return model["deployment_config"]
 
 
 def test_the_manifest_is_a_rayservice_with_a_head_and_an_engine_worker_group() -> None:
@@ -48,7 +50,14 @@ def test_the_serve_config_is_the_cards_app_on_a_cluster() -> None:
     config = _serve_config()
     app = config.applications[0]
     card = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "serve_config.yaml").read_text())).applications[0]
-    assert (app.import_path, app.route_prefix, app.args) == (card.import_path, card.route_prefix, card.args)
+    assert (app.import_path, app.route_prefix) == (card.import_path, card.route_prefix)
+    (model,), (card_model,) = app.args["llm_configs"], card.args["llm_configs"]
+    for key in ("model_loading_config", "engine_kwargs", "lora_config"):
+        assert model.get(key) == card_model.get(key), key
+    # The same engine deployment but its size: on the cluster it scales over the worker group's pods.
+    resized = ("autoscaling_config", "ray_actor_options")
+    same = [(k, v) for k, v in model["deployment_config"].items() if k not in resized]
+    assert same == [(k, v) for k, v in card_model["deployment_config"].items() if k not in resized]
     assert config.http_options.host == "0.0.0.0"  # reachable through the pod's service, not loopback only
     build_app(app.args)  # the args validate as the app's
     assert {d.name for d in app.deployments} == {d.name for d in card.deployments}
@@ -58,8 +67,8 @@ def test_the_engine_worker_group_fits_the_engine_replicas_it_scales_to() -> None
     engine = _engine(_serve_config())
     group = CLUSTER["workerGroupSpecs"][0]
     container = group["template"]["spec"]["containers"][0]
-    assert float(container["resources"]["requests"]["cpu"]) >= engine.ray_actor_options.num_cpus
-    assert group["maxReplicas"] >= engine.autoscaling_config["max_replicas"]
+    assert float(container["resources"]["requests"]["cpu"]) >= engine["ray_actor_options"]["num_cpus"]
+    assert group["maxReplicas"] >= engine["autoscaling_config"]["max_replicas"]
     assert CLUSTER["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # no engine replica on the head
     images = {c["image"] for g in [CLUSTER["headGroupSpec"], group] for c in g["template"]["spec"]["containers"]}
     assert len(images) == 1  # every node runs the same image: the same Ray, the same code

@@ -77,7 +77,7 @@ def test_a_tenant_over_its_concurrency_gets_429_with_retry_after(two_slot_server
     long = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 400, "ignore_eos": True, "stream": True}
     short = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     with httpx.Client(timeout=60) as client:
-        before = two_slot_server.context.engine.engine.get_stats()
+        before = two_slot_server.context.models.first.engine.get_stats()
         held = [client.stream("POST", url, json=long) for _ in range(2)]
         streams = [h.__enter__() for h in held]
         try:
@@ -93,7 +93,7 @@ def test_a_tenant_over_its_concurrency_gets_429_with_retry_after(two_slot_server
         while (again := client.post(url, json=short)).status_code == 429 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert again.status_code == 200
-    after = wait_idle(two_slot_server.context.engine.engine.get_stats)
+    after = wait_idle(two_slot_server.context.models.first.engine.get_stats)
     assert after["total_tokens"] - before["total_tokens"] < 2 * 400  # the held streams were cut short
 
 

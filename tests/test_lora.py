@@ -194,3 +194,32 @@ def test_lora_with_compile_is_refused_at_startup(adapters: Path) -> None:
 
     with pytest.raises(ValueError, match="compile: LoRA adapters run on the eager forward only"):
         EngineConfig.from_options(compile=True, dynamic_lora_loading_path=str(adapters))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_models_adapters_named_in_lora_paths_decode_as_peft_does(
+    arch: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """`InferenceEngine(model=..., lora_paths={name: folder})`: a tiny model's base and adapter rows in one batch."""
+    path: Path = request.getfixturevalue(f"tiny_{arch}_path")
+    folders = {name: build_adapter(path, tmp_path / f"adapter-{name}", seed) for seed, name in enumerate("xy", start=3)}
+    eng = InferenceEngine(model=str(path), lora_paths={n: str(f) for n, f in folders.items()}, cache_tokens=2048,
+                          max_model_len=256)
+    try:
+        assert eng.runner.adapters is not None and eng.runner.adapters.available() == ["x", "y"]
+        chosen = [None, "x", "y"] * 2
+        prompts = [eng.tokenizer.encode(p) for p in PROMPTS[:6]]
+        results = [eng.submit(GenerateRequest(prompt=ids, lora=name, max_tokens=8, temperature=0, ignore_eos=True))
+                   for ids, name in zip(prompts, chosen)]
+        outputs = [r.wait(120).token_ids for r in results]
+        for name in (None, "x", "y"):
+            reference = ReferenceModel(path, folders[name] if name else None)
+            for ids, output, used in zip(prompts, outputs, chosen):
+                if used == name:
+                    assert output == reference.greedy(ids, 8), (arch, name)
+        assert outputs[1] != eng.submit(GenerateRequest(prompt=prompts[1], max_tokens=8, temperature=0,
+                                                        ignore_eos=True)).wait(60).token_ids
+        with pytest.raises(InvalidRequestError, match="'z': no such adapter; known: x, y"):
+            eng.submit(GenerateRequest(prompt="Hi", lora="z", max_tokens=2))
+    finally:
+        eng.shutdown()

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from deployments.app import build_app
+from deployments.app_args import LLMConfig
 from serve_app.bench.servers import free_port
-from serve_app.config import AppConfig
 from serve_app.model.loader import EMBEDDED_MODELS, HubModel, model_source
 
 PREPARE = [sys.executable, "-m", "serve_app.cli", "prepare-model"]
@@ -56,11 +56,15 @@ def test_an_unreachable_hub_id_fails_naming_the_id_and_the_cause(tmp_path: Path)
 def test_each_replica_picks_its_own_nodes_cache_folder_and_device(monkeypatch, tmp_path: Path) -> None:
     """The app's config leaves `cache_dir` and `device` open unless the args set them, so each replica takes its
     node's (`SERVE_APP_CACHE_DIR` and `SERVE_APP_DEVICE` there, else ~/.cache/serve-app and auto)."""
-    dumped = build_app({})._bound_deployment.init_args[-1]
-    assert "cache_dir" not in dumped["engine"]["model"] and "device" not in dumped["engine"]["model"]
+    def engine_arg(args: dict) -> dict:  # what the model's engine deployment is built with
+        (engine,) = build_app(args)._bound_deployment.init_args[0].values()
+        return engine._bound_deployment.init_args[0]
+
+    dumped = engine_arg({})
+    assert "cache_dir" not in dumped.get("engine_kwargs", {}) and "device" not in dumped.get("engine_kwargs", {})
     monkeypatch.setenv("SERVE_APP_CACHE_DIR", str(tmp_path / "this-node"))
     monkeypatch.setenv("SERVE_APP_DEVICE", "cpu")
-    on_this_node = AppConfig.model_validate(dumped).engine.model  # as a replica validates it on its node
+    on_this_node = LLMConfig.model_validate(dumped).engine().model  # as a replica validates it on its node
     assert on_this_node.cache_dir == tmp_path / "this-node" and on_this_node.device == "cpu"
-    chosen = build_app({"cache_dir": "/models", "device": "cuda"})._bound_deployment.init_args[-1]["engine"]["model"]
-    assert chosen["cache_dir"] == "/models" and chosen["device"] == "cuda"
+    chosen = LLMConfig.model_validate(engine_arg({"cache_dir": "/models", "device": "cuda"})).engine().model
+    assert chosen.cache_dir == Path("/models") and chosen.device == "cuda"

@@ -6,6 +6,8 @@ from __future__ import annotations
 from serve_app.kv.page_events import PageEventBatch, PageEventBuffer
 from serve_app.kv.page_pool import PagePool
 from serve_app.kv.prefix_cache import page_hashes
+from serve_app.routing.adapter_holders import AdapterHolders
+from serve_app.routing.decision import PrefixRouting
 from serve_app.routing.page_directory import PageDirectory
 from serve_app.routing.policy import RoutingPolicy
 from serve_app.routing.prefix_index import PrefixIndex
@@ -168,3 +170,32 @@ def test_a_burst_of_decisions_against_equal_loads_spreads_over_the_replicas() ->
     assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
     ranked = [routing.rank([], ["a", "b"], {"a": 3, "b": 0}) for _ in range(2)]
     assert all(sorted(groups[0]) == ["a", "b"] and len(groups) == 1 for groups in ranked)  # one group: Serve takes b
+
+
+def test_a_request_goes_where_its_lora_adapter_was_sent_unless_its_prefix_or_the_load_decides() -> None:
+    routing = PrefixRouting(RoutingPolicy(balance_abs_threshold=4, balance_rel_threshold=1.5, min_match_ratio=0.5))
+    replicas, idle = ["r1", "r2", "r3"], {"r1": 0, "r2": 0, "r3": 0}
+    assert routing.rank([], replicas, idle, "a") == [replicas[1:] + replicas[:1]]  # nobody holds it: all equal
+    routing.routed("r2", [], "a")
+    routing.routed("r3", [], "b")
+    for _ in range(3):  # whichever candidate the decision starts from
+        groups = routing.rank([], replicas, idle, "a")
+        assert groups[0] == ["r2"] and sorted(groups[1]) == ["r1", "r3"]
+    assert sorted(routing.rank([], replicas, idle, None)[0]) == replicas  # the base model: no preference
+    busy = {"r1": 0, "r2": 9, "r3": 0}  # the holder is far busier than the rest: balance first
+    groups = routing.rank([], replicas, busy, "a")
+    assert sorted(groups[0]) == ["r1", "r3"] and groups[-1] == ["r2"]
+    directory = PageDirectory()
+    prompt = list(range(8))
+    directory.publish("r1", PageEventBatch(snapshot=frozenset(page_hashes(prompt, PAGE, "salt"))), PAGE)
+    routing.index.apply(directory.changes(routing.index.seq))
+    assert routing.rank(routing.hashes(prompt, "salt"), replicas, idle, "a")[0] == ["r1"]  # its pages win
+
+
+def test_a_router_remembers_a_bounded_number_of_adapters() -> None:
+    holders = AdapterHolders(max_adapters=2)
+    for adapter, replica in (("a", "r1"), ("b", "r2"), ("a", "r3"), ("c", "r1")):
+        holders.routed(adapter, replica)
+    assert (holders.of("a"), holders.of("b"), holders.of("c"), len(holders)) == (
+        frozenset({"r1", "r3"}), frozenset(), frozenset({"r1"}), 2
+    )

@@ -1,7 +1,8 @@
 """Two engine replicas behind `serve run` with the settings of `make serve` (Serve's throughput mode,
-HAProxy), routed by the pages they cache (deployments.router).
+HAProxy), routed by the pages they cache and the LoRA adapters they hold (deployments.router), and a
+second model (a tiny one) in the same app, an engine deployment of its own.
 
-Each replica gets one torch thread, as two replicas share this machine's two cores. With Serve's
+Each replica gets one torch thread, as the replicas share this machine's two cores. With Serve's
 default router a conversation's next turn lands on the replica without its history about half
 the time; here every later turn (under a LoRA adapter too) and every KV lookup must find its prefix.
 """
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -21,6 +23,7 @@ from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import connect, create_request, make_post_completion
 from tests.adapters import build_adapter
 from tests.inprocess import MODEL, anthropic_client, openai_client
+from tests.tiny_models import build_tiny_model
 from tests.served import FOLLOWER_IDLE_S, check_routing_across_an_idle_spell, router_config
 
 PAGE = 16
@@ -40,12 +43,24 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path
     return folder
 
 
+TINY = "tiny-llama"
+
+
 @pytest.fixture(scope="module")
-def two_engines(tmp_path_factory: pytest.TempPathFactory, adapters: Path) -> Iterator[ServeRun]:
+def two_engines(tmp_path_factory: pytest.TempPathFactory, adapters: Path, model_path: Path) -> Iterator[ServeRun]:
+    tiny = build_tiny_model("llama", tmp_path_factory.mktemp("tiny-served"), tokenizer_from=model_path)
     run = ServeRun(
         tmp_path_factory.mktemp("scale-out"),
-        args={"cache_tokens": 4096, "max_model_len": 2048, "num_threads": 1, "dynamic_lora_loading_path": str(adapters)},
-        deployments={"EngineDeployment": TWO_REPLICAS},
+        models=[
+            {"lora_config": {"dynamic_lora_loading_path": str(adapters)}},
+            {
+                "model_loading_config": {"model_id": TINY, "model_source": str(tiny)},
+                "engine_kwargs": {"max_model_len": 1024},
+                "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+            },
+        ],
+        engine_kwargs={"cache_tokens": 4096, "max_model_len": 2048, "num_threads": 1},
+        engine_deployment=TWO_REPLICAS,
     )
     try:
         _until_the_ingress_routes_to_both(run)
@@ -69,14 +84,18 @@ def _until_the_ingress_routes_to_both(run: ServeRun) -> None:
     raise AssertionError(f"the ingress did not route to both replicas: {_replica_tasks(run)}")
 
 
-def _replica_tasks(run: ServeRun) -> dict[str, int]:
+def _replica_stats(run: ServeRun, model: str = MODEL) -> dict[str, dict]:
     stats = httpx.get(f"{run.url}/stats/replicas", timeout=10).json()
-    return {replica: s["total_tasks"] for replica, s in stats.items()}
+    return {replica: s for replica, s in stats.items() if s["model"] == model}
 
 
-def _conversations_find_their_history(run: ServeRun, model_of: Callable[[int], str], kind: str) -> None:
+def _replica_tasks(run: ServeRun) -> dict[str, int]:
+    return {replica: s["total_tasks"] for replica, s in _replica_stats(run).items()}
+
+
+def _conversations_find_their_history(run: ServeRun, model_of: Callable[[int], str], kind: str) -> dict[str, int]:
     """Eight three-turn conversations at once (the i-th with model `model_of(i)`, their system prompts
-    naming `kind`): every later turn finds the whole earlier prompt cached, and they spread over both replicas."""
+    naming `kind`): every later turn finds the whole earlier prompt cached. The requests each replica took."""
     client = openai_client(run.url)
     before = _replica_tasks(run)
 
@@ -96,12 +115,12 @@ def _conversations_find_their_history(run: ServeRun, model_of: Callable[[int], s
     for turns in conversations:
         for (previous_prompt, _), (_, cached) in zip(turns, turns[1:]):
             assert cached >= (previous_prompt - 1) // PAGE * PAGE, turns  # the whole earlier prompt, in pages
-    tasks = {replica: count - before[replica] for replica, count in _replica_tasks(run).items()}
-    assert len(tasks) == 2 and all(count > 0 for count in tasks.values()), tasks  # the conversations spread over both
+    return {replica: count - before[replica] for replica, count in _replica_tasks(run).items()}
 
 
 def test_every_turn_of_a_conversation_finds_its_history_cached(two_engines: ServeRun) -> None:
-    _conversations_find_their_history(two_engines, lambda index: MODEL, "a base-model")
+    tasks = _conversations_find_their_history(two_engines, lambda index: MODEL, "a base-model")
+    assert len(tasks) == 2 and all(count > 0 for count in tasks.values()), tasks  # the conversations spread over both
 
 
 def test_adapters_answer_through_the_sdks_and_their_conversations_find_their_pages(two_engines: ServeRun) -> None:
@@ -120,6 +139,46 @@ def test_adapters_answer_through_the_sdks_and_their_conversations_find_their_pag
     assert message.content[0].text == answers[f"{MODEL}:a"] and message.model == f"{MODEL}:a"
 
     _conversations_find_their_history(two_engines, lambda index: f"{MODEL}:{'ab'[index % 2]}", "an adapter's")
+    # Each adapter went where it was first loaded: loaded once in all, not on every replica it met.
+    replicas = _replica_stats(two_engines).values()
+    assert sum(s["lora_adapter_loads"] for s in replicas) == 2, list(replicas)
+
+
+def test_two_models_in_one_app_each_answer_under_their_own_name(two_engines: ServeRun) -> None:
+    """The tiny model is an engine deployment of its own: it answers under its name in the three APIs, is
+    listed with the other model and its adapters, and a model served by neither is a 404 in each API's shape."""
+    client, claude = openai_client(two_engines.url), anthropic_client(two_engines.url)
+    listed = {card.id: card.parent for card in client.models.list()}
+    assert listed == {MODEL: None, f"{MODEL}:a": MODEL, f"{MODEL}:b": MODEL, TINY: None}
+    ask = [{"role": "user", "content": "Name a colour."}]
+    answers = {}
+    for model in (MODEL, TINY):
+        chat = client.chat.completions.create(model=model, messages=ask, max_tokens=6, temperature=0)
+        message = claude.messages.create(model=model, messages=ask, max_tokens=6, extra_body={"temperature": 0})
+        response = client.responses.create(model=model, input=ask, max_output_tokens=6, temperature=0)
+        assert chat.model == message.model == response.model == model
+        assert message.content[0].text == chat.choices[0].message.content == response.output_text
+        answers[model] = chat.choices[0].message.content
+    assert answers[MODEL] != answers[TINY]  # a random tiny model does not talk like the trained one
+    deadline = time.monotonic() + 10  # the replicas' task counts reach the board with their next heartbeat
+    while time.monotonic() < deadline:
+        tiny_replicas = _replica_stats(two_engines, TINY)
+        if [s["total_tasks"] for s in tiny_replicas.values()] == [3]:
+            break
+        time.sleep(0.5)
+    assert [s["total_tasks"] for s in tiny_replicas.values()] == [3]  # its three requests, on its one replica
+    for path, body in (
+        ("/v1/chat/completions", {"messages": ask, "max_tokens": 2}),
+        ("/v1/messages", {"messages": ask, "max_tokens": 2}),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
+        ("/v1/messages/count_tokens", {"messages": ask}),
+    ):
+        reply = httpx.post(f"{two_engines.url}{path}", json={"model": "other", **body}, timeout=30)
+        assert reply.status_code == 404, (path, reply.text)
+        error = reply.json()["error"]
+        assert error["type"] == "not_found_error" and "'other' is not served here" in error["message"], (path, error)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=f"{TINY}x:a", messages=ask, max_tokens=2)
 
 
 def test_the_choices_of_one_request_are_each_routed(two_engines: ServeRun) -> None:

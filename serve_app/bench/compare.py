@@ -131,7 +131,7 @@ def _run_http(
     if gguf is not None:
         server = LlamaServer(Path(args.llama_server), gguf, tmp)
     else:
-        server = ServeRun(tmp, args={"max_model_len": 2048, **HTTP_SYSTEMS[system]}, timeout=1200)
+        server = ServeRun(tmp, engine_kwargs={"max_model_len": 2048, **HTTP_SYSTEMS[system]}, timeout=1200)
     peak = [server.rss_mb()]
     stop = threading.Event()
 

@@ -110,7 +110,7 @@ async def _one_client(url: str, requests: int, max_tokens: int) -> int:
 
 def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as workdir:
-        server = ServeRun(Path(workdir), args={"compile": args.compile, "quantization": args.quantization}, timeout=1800)
+        server = ServeRun(Path(workdir), engine_kwargs={"compile": args.compile, "quantization": args.quantization}, timeout=1800)
         try:
             asyncio.run(_one_client(server.url, 1, 8))  # warm
             processes = _processes(server)

@@ -224,13 +224,13 @@ def run_system(
         options["request_router_config"]["request_router_kwargs"] = router_kwargs
     run = ServeRun(
         folder,
-        args={
+        engine_kwargs={
             **engine_args,
             "cache_tokens": engine_args["cache_tokens"] * REPLICAS // system.replicas,  # the same cache in all
             "num_threads": system.threads,
-            "api_keys_file": str(workload.keys_file(folder)),
         },
-        deployments={"EngineDeployment": options},
+        args={"api_keys_file": str(workload.keys_file(folder))},
+        engine_deployment=options,
         timeout=600,
     )
     try:

@@ -157,8 +157,11 @@ def wait_healthy(name: str, url: str, process: subprocess.Popen, timeout: float,
 
 
 class ServeRun:
-    """`serve run` on a Serve config (the project's by default), moved to a free port, args, deployment
-    options (`deployments`: name -> options to set) and `proxy_location` overridden.
+    """`serve run` on a Serve config (the project's by default), moved to a free port, with overrides: `models`
+    (the app's `llm_configs`, each entry laid over the config's first one; default: that one model), whose
+    `engine_kwargs` and `deployment_config` are merged over that one's updated with `engine_kwargs` and
+    `engine_deployment`; `args` (the server's options), `deployments` (name -> options of the other
+    deployments) and `proxy_location`.
 
     It runs in a user's environment (`users_environment`) with the speed settings of `make serve`
     (`serve_env()`) on top, or with `plain=True` without them: the card's own `serve run
@@ -171,7 +174,7 @@ class ServeRun:
     def __init__(
         self,
         workdir: Path,
-        args: dict | None = None,
+        engine_kwargs: dict | None = None,
         timeout: float = 240.0,
         config_path: Path | None = None,
         deployments: dict[str, dict] | None = None,
@@ -179,6 +182,9 @@ class ServeRun:
         proxy_location: str | None = None,
         env: dict[str, str] | None = None,
         plain: bool = False,
+        models: list[dict] | None = None,
+        engine_deployment: dict | None = None,
+        args: dict | None = None,
     ) -> None:
         config = yaml.safe_load((config_path or ROOT / "serve_config.yaml").read_text())
         self.port = free_port()
@@ -186,6 +192,18 @@ class ServeRun:
         if proxy_location is not None:
             config["proxy_location"] = proxy_location
         app = config["applications"][0]
+        shipped = app["args"]["llm_configs"][0]
+        app["args"]["llm_configs"] = [
+            {
+                **shipped,
+                **model,
+                **{
+                    key: {**shipped.get(key, {}), **(extra or {}), **model.get(key, {})}
+                    for key, extra in (("engine_kwargs", engine_kwargs), ("deployment_config", engine_deployment))
+                },
+            }
+            for model in models or [{}]
+        ]
         app["args"].update(args or {})
         for deployment in app["deployments"]:
             deployment.update((deployments or {}).get(deployment["name"], {}))

@@ -133,7 +133,7 @@ def memory_growth_mb(reports: list[RoundReport]) -> float:
 
 def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServeRun(Path(tmp), args={"cache_tokens": 8192, "max_model_len": 2048})
+        server = ServeRun(Path(tmp), engine_kwargs={"cache_tokens": 8192, "max_model_len": 2048})
         try:
             reports = run_soak(server, args.clients, args.duration, args.rounds, args.max_tokens, args.deadline)
         finally:

@@ -59,7 +59,8 @@ class StoreKV:
 
 @dataclass(frozen=True)
 class ListAdapters:
-    """The LoRA adapters the engine can run with: the adapter folders under its `dynamic_lora_loading_path`."""
+    """The LoRA adapters the engine can run with: its `lora_paths` and the adapter folders under its
+    `dynamic_lora_loading_path`."""
 
 
 EngineCall = CountTokens | GetStats | GetKVConfig | LookupKV | RetrieveKV | StoreKV | ListAdapters

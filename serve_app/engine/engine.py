@@ -177,7 +177,7 @@ class InferenceEngine:
             return None
         adapters = self.runner.adapters
         if adapters is None:
-            raise InvalidRequestError("lora", "this engine serves no adapters (set dynamic_lora_loading_path)")
+            raise InvalidRequestError("lora", "this engine serves no adapters (set dynamic_lora_loading_path or lora_paths)")
         return adapters.acquire(name)
 
     def _releaser(self, slot: int | None) -> Callable[[], None] | None:
@@ -359,6 +359,7 @@ class InferenceEngine:
         running, waiting = self.scheduler.counts()
         usage = self.cache.usage()
         stats = self.scheduler.stats
+        adapters = self.runner.adapters
         return {
             "total_tasks": stats.total_tasks,
             "total_tokens": stats.total_tokens,
@@ -371,6 +372,8 @@ class InferenceEngine:
             "prefill_tokens": stats.prefill_tokens,
             "preemptions": stats.preemptions,
             "steps": stats.steps,
+            "lora_adapters_loaded": len(adapters.loaded()) if adapters is not None else 0,
+            "lora_adapter_loads": adapters.loads if adapters is not None else 0,
         }
 
     def shutdown(self) -> None:

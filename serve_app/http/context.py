@@ -1,5 +1,5 @@
-"""ServerContext: what every route needs (engine client, config, limits, tenants, metrics, stored
-responses), and who is calling."""
+"""ServerContext: what every route needs (the served models' engine clients, config, limits, tenants,
+metrics, stored responses), and who is calling."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from serve_app.config import ServerConfig
-from serve_app.http.engine_client import EngineClient
 from serve_app.http.metrics import ServerMetrics
 from serve_app.http.protocols.errors import ProtocolError, invalid
 from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.response_store import LocalResponses, Responses, ResponseStore
+from serve_app.http.served_models import ServedModels
 from serve_app.http.tenants import (
     Tenant,
     TenantDirectory,
@@ -23,7 +23,7 @@ from serve_app.http.tenants import (
 
 @dataclass
 class ServerContext:
-    engine: EngineClient
+    models: ServedModels
     config: ServerConfig = field(default_factory=ServerConfig)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     tenants: TenantDirectory = field(default_factory=TenantDirectory.open)
@@ -53,9 +53,9 @@ class ServerContext:
         return tenant
 
     async def ready_caller(self, request: Request, admin: bool = False) -> Tenant:
-        """The authenticated caller, once the engine is ready (503 before)."""
+        """The authenticated caller, once every model's engine is ready (503 before)."""
         tenant = self.caller(request, admin)
-        if not await self.engine.ready():
+        if not await self.models.ready():
             raise ProtocolError("not_ready", "Engine not initialized")
         return tenant
 

@@ -41,7 +41,7 @@ class ModelInfo:
         base, _, adapter = requested.partition(":")
         if base == self.id and adapter:
             return adapter
-        raise ProtocolError("not_found", f"{param}: {requested!r} is not served here; use {self.id!r}", param)
+        raise ProtocolError("not_found", f"{param}: {requested!r} is not served by this engine ({self.id!r})", param)
 
 
 class EngineClient(ABC):

@@ -175,11 +175,19 @@ def read_adapter(name: str, folder: Path, layers: dict[str, LoRALinear], max_ran
 
 
 class AdapterSlots:
-    """Which adapter sits in which slot: loaded on first use from `folder/<name>`, most recently used kept,
-    a slot held by running requests never given to another adapter."""
+    """Which adapter sits in which slot: loaded on first use from its named folder (`paths`), else from
+    `folder/<name>`; most recently used kept, a slot held by running requests never given to another adapter."""
 
-    def __init__(self, folder: Path, layers: dict[str, LoRALinear], slots: int, max_rank: int) -> None:
+    def __init__(
+        self,
+        folder: Path | None,
+        layers: dict[str, LoRALinear],
+        slots: int,
+        max_rank: int,
+        paths: dict[str, Path] | None = None,
+    ) -> None:
         self.folder = folder
+        self.paths = dict(paths or {})
         self.layers = layers
         self.max_rank = max_rank
         self.slots = slots
@@ -189,10 +197,11 @@ class AdapterSlots:
         self.loads = 0  # adapters read from disk so far
 
     def available(self) -> list[str]:
-        """The adapters under the folder (each a subfolder with an adapter_config.json)."""
-        if not self.folder.is_dir():
-            return []
-        return sorted(p.name for p in self.folder.iterdir() if (p / "adapter_config.json").is_file() and _NAME.match(p.name))
+        """The named adapters and those under the folder (each a subfolder with an adapter_config.json)."""
+        found = set(self.paths)
+        if self.folder is not None and self.folder.is_dir():
+            found |= {p.name for p in self.folder.iterdir() if (p / "adapter_config.json").is_file() and _NAME.match(p.name)}
+        return sorted(found)
 
     def loaded(self) -> list[str]:
         with self._lock:
@@ -209,7 +218,10 @@ class AdapterSlots:
                 self._where.move_to_end(name)
                 self._holders[slot] += 1
                 return slot
-        adapter = read_adapter(name, self.folder / name, self.layers, self.max_rank)  # off the lock: disk
+        path = self.paths.get(name) or (self.folder / name if self.folder is not None else None)
+        if path is None:
+            raise InvalidRequestError("lora", f"adapter {name!r}: no such adapter; known: {', '.join(self.paths)}")
+        adapter = read_adapter(name, path, self.layers, self.max_rank)  # off the lock: disk
         with self._lock:
             slot = self._where.get(name)
             if slot is None:

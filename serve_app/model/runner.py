@@ -91,11 +91,12 @@ class ModelRunner:
         self.model.eval()
         self.max_model_len = _context(hf_config, self.model, config.max_model_len)
         self.model = apply_quantization(self.model, config.quantization, self.device, config.cache_dir)
-        self.adapters: AdapterSlots | None = None  # LoRA adapters, where the config names their folder
-        if config.dynamic_lora_loading_path is not None:
+        self.adapters: AdapterSlots | None = None  # LoRA adapters, where the config names them or their folder
+        if config.serves_adapters:
             layers = wrap_targets(self.model, config.max_num_adapters_per_replica, config.max_lora_rank)
             self.adapters = AdapterSlots(
-                config.dynamic_lora_loading_path, layers, config.max_num_adapters_per_replica, config.max_lora_rank
+                config.dynamic_lora_loading_path, layers, config.max_num_adapters_per_replica, config.max_lora_rank,
+                config.lora_paths,
             )
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         n_heads = text_config.num_attention_heads

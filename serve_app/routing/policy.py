@@ -2,11 +2,12 @@
 thresholds (SGLang's router uses the same pair), the replicas far above the least loaded are tried
 last. Among the others, the replicas holding the longest run of the prompt's pages come first, when
 that run is at least `min_match_ratio` of the prompt's pages (a shared system prompt alone does not
-pull every request to one replica; SGLang's `cache_threshold` does the same)."""
+pull every request to one replica; SGLang's `cache_threshold` does the same). Without such a run, the
+replicas that hold the request's LoRA adapter come first, so an adapter is not loaded on every replica."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -23,12 +24,17 @@ class RoutingPolicy:
         return most - least > self.balance_abs_threshold and most > self.balance_rel_threshold * least
 
     def rank(
-        self, candidates: Sequence[str], loads: Mapping[str, int], matched: Mapping[str, int], pages: int
+        self,
+        candidates: Sequence[str],
+        loads: Mapping[str, int],
+        matched: Mapping[str, int],
+        pages: int,
+        holders: Collection[str] = (),
     ) -> list[list[str]]:
         """Groups of replicas, best first, for a prompt of `pages` whole pages of which each candidate holds
-        `matched` leading ones; within a group the least loaded is taken (Serve does that). When loads are
-        imbalanced, the replicas more than `balance_abs_threshold` above the least loaded come last, and
-        the prefix decides among the others."""
+        `matched` leading ones, and whose adapter `holders` hold; within a group the least loaded is taken
+        (Serve does that). When loads are imbalanced, the replicas more than `balance_abs_threshold` above
+        the least loaded come last, and the prefix (else the adapter) decides among the others."""
         if not candidates:
             return []
         eligible, overloaded = list(candidates), []
@@ -36,12 +42,16 @@ class RoutingPolicy:
             least = min(loads.get(c, 0) for c in candidates)
             eligible = [c for c in candidates if loads.get(c, 0) - least <= self.balance_abs_threshold]
             overloaded = sorted((c for c in candidates if c not in eligible), key=lambda c: loads.get(c, 0))
-        return self._by_prefix(eligible, matched, pages) + ([overloaded] if overloaded else [])
+        return self._by_prefix(eligible, matched, pages, holders) + ([overloaded] if overloaded else [])
 
-    def _by_prefix(self, candidates: list[str], matched: Mapping[str, int], pages: int) -> list[list[str]]:
+    def _by_prefix(
+        self, candidates: list[str], matched: Mapping[str, int], pages: int, holders: Collection[str]
+    ) -> list[list[str]]:
         best = max(matched.get(c, 0) for c in candidates)
         if best == 0 or best < self.min_match_ratio * pages:
-            return [candidates]
+            first = [c for c in candidates if c in holders]
+            rest = [c for c in candidates if c not in holders]
+            return [first, rest] if first and rest else [candidates]
         first = [c for c in candidates if matched.get(c, 0) == best]
         rest = [c for c in candidates if matched.get(c, 0) < best]
         return [first, rest] if rest else [first]

@@ -1,12 +1,11 @@
-"""The admin routes: health (open to all), the model cards (the model and its LoRA adapters), the engines'
-stats and Prometheus metrics."""
+"""The admin routes: health (open to all), the model cards (every model and its LoRA adapters), the
+engines' stats and Prometheus metrics."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from serve_app.engine.calls import ListAdapters
 from serve_app.http.context import context_of
 from serve_app.http.metrics import CONTENT_TYPE
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
@@ -18,7 +17,7 @@ answers = answers_in(ChatCompletionsBuilder())  # errors in OpenAI's shape
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    if await context_of(request).engine.ready():
+    if await context_of(request).models.ready():
         return JSONResponse({"status": "ok", "model_loaded": True})
     return JSONResponse({"status": "loading", "model_loaded": False}, status_code=503)
 
@@ -28,21 +27,7 @@ async def health(request: Request) -> Response:
 async def models(request: Request) -> Response:
     context = context_of(request)
     await context.ready_caller(request)
-    info = await context.engine.model_info()
-    card = {
-        "id": info.id,
-        "object": "model",
-        "created": info.created,
-        "owned_by": "serve-app",
-        "root": info.id,
-        "parent": None,
-        "max_model_len": info.max_model_len,
-    }
-    adapters = [
-        {**card, "id": f"{info.id}:{name}", "root": name, "parent": info.id}
-        for name in await context.engine.ask(ListAdapters())
-    ]
-    return JSONResponse({"object": "list", "data": [card, *adapters]})
+    return JSONResponse({"object": "list", "data": await context.models.cards()})
 
 
 @router.get("/stats")
@@ -50,7 +35,7 @@ async def models(request: Request) -> Response:
 async def stats(request: Request) -> Response:
     context = context_of(request)
     context.caller(request, admin=True)
-    return JSONResponse(await context.engine.stats())
+    return JSONResponse(await context.models.first.stats())
 
 
 @router.get("/stats/replicas")
@@ -58,7 +43,7 @@ async def stats(request: Request) -> Response:
 async def replica_stats(request: Request) -> Response:
     context = context_of(request)
     context.caller(request, admin=True)
-    return JSONResponse(await context.engine.replica_stats())
+    return JSONResponse(await context.models.first.replica_stats())
 
 
 @router.get("/stats/routing")
@@ -66,7 +51,7 @@ async def replica_stats(request: Request) -> Response:
 async def routing_stats(request: Request) -> Response:
     context = context_of(request)
     context.caller(request, admin=True)
-    return JSONResponse(await context.engine.routing_stats())
+    return JSONResponse(await context.models.first.routing_stats())
 
 
 @router.get("/metrics")
@@ -74,4 +59,4 @@ async def routing_stats(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     context = context_of(request)
     context.caller(request, admin=True)
-    return Response(context.metrics.render(await context.engine.stats()), media_type=CONTENT_TYPE)
+    return Response(context.metrics.render(await context.models.first.stats()), media_type=CONTENT_TYPE)

@@ -50,8 +50,8 @@ async def generate(
     if not context.slots.try_take(tenant):
         limit = context.config.max_concurrent_per_tenant
         raise ProtocolError("rate_limit", f"over max_concurrent_per_tenant={limit} requests in flight")
-    handler = ProtocolHandler(builder, context.engine, context.metrics)
     try:
+        handler = ProtocolHandler(builder, context.models.client_of(body), context.metrics)
         response = await handler.handle(body, lambda salt: context.engine_salt(tenant, salt), context.limits, answered)
     except BaseException:
         context.slots.give_back(tenant)
@@ -74,8 +74,9 @@ async def count_tokens(request: Request) -> Response:
     context = context_of(request)
     await context.ready_caller(request)
     body = await read_json(request, context.config.max_request_bytes)
-    model = await context.engine.model_info()
+    engine = context.models.client_of(body)
+    model = await engine.model_info()
     req: CountTokensRequest = parse(CountTokensRequest, body, model)
     prompt = req.prompt(format_for(model.tool_format), req.tool_plan())
-    count = await context.engine.ask(CountTokens(GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None)))
+    count = await engine.ask(CountTokens(GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None)))
     return JSONResponse({"input_tokens": count})

@@ -1,4 +1,5 @@
-"""The cached-KV routes (`/v1/kv/*`, admin only): config, lookup, retrieve and store, per tenant salt."""
+"""The cached-KV routes (`/v1/kv/*`, admin only): config, lookup, retrieve and store, per tenant salt, on the
+first model of the app's `llm_configs`."""
 
 from __future__ import annotations
 
@@ -36,21 +37,21 @@ async def _tokens_request(request: Request) -> tuple[TokensRequest, str]:
 async def kv_config(request: Request) -> Response:
     context = context_of(request)
     await context.ready_caller(request, admin=True)
-    return JSONResponse((await context.engine.ask(GetKVConfig())).to_dict())
+    return JSONResponse((await context.models.first.ask(GetKVConfig())).to_dict())
 
 
 @router.post("/lookup")
 @answers
 async def kv_lookup(request: Request) -> Response:
     req, salt = await _tokens_request(request)
-    return JSONResponse({"cached_tokens": await context_of(request).engine.ask(LookupKV(req.tokens, salt))})
+    return JSONResponse({"cached_tokens": await context_of(request).models.first.ask(LookupKV(req.tokens, salt))})
 
 
 @router.post("/retrieve")
 @answers
 async def kv_retrieve(request: Request) -> Response:
     req, salt = await _tokens_request(request)
-    kv = await context_of(request).engine.ask(RetrieveKV(req.tokens, salt))
+    kv = await context_of(request).models.first.ask(RetrieveKV(req.tokens, salt))
     if kv is None:
         raise ProtocolError("not_found", "no whole page of these tokens is cached under this salt", "tokens")
     return Response(encode_kv(kv), media_type=MEDIA_TYPE, headers={"x-cached-tokens": str(kv.shape[2])})
@@ -64,7 +65,7 @@ async def kv_store(request: Request) -> Response:
     kv, tokens, cache_salt = decode_kv(await read_body(request, context.config.max_kv_bytes, "max_kv_bytes"))
     if tokens is None:
         raise invalid("body: the safetensors file has no tensor named 'tokens'", "tokens")
-    result = await context.engine.ask(StoreKV(kv, tokens, context.engine_salt(tenant, cache_salt)))
+    result = await context.models.first.ask(StoreKV(kv, tokens, context.engine_salt(tenant, cache_salt)))
     return JSONResponse(
         {
             "stored": result.stored_pages > 0,
