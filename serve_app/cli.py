@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--max-tokens", type=int, default=64)
     lora.add_argument("--repeats", type=int, default=2, help="alternating pairs of runs")
     lora.add_argument("--seed", type=int, default=0)
+    lora.add_argument("--compile", action="store_true", help="the engine's compiled forward")
+    lora.add_argument("--quantization", default="none", choices=["none", "int8"])
     lora.add_argument("--json", default=None)
     lora.set_defaults(func=_bench_lora)
 

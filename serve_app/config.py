@@ -74,12 +74,6 @@ class ModelConfig(_Strict):
     def serves_adapters(self) -> bool:
         return self.dynamic_lora_loading_path is not None or bool(self.lora_paths)
 
-    @model_validator(mode="after")
-    def _lora_without_compile(self) -> ModelConfig:
-        if self.serves_adapters and self.compile:
-            raise ValueError("compile: LoRA adapters run on the eager forward only; leave compile off with them")
-        return self
-
 
 class CacheConfig(_Strict):
     """The KV cache: its kind and its size, in tokens or bytes (tokens win when both are set); with

@@ -189,13 +189,6 @@ def test_an_int8_model_runs_its_adapters_deltas_exactly(model_path: Path, adapte
         eng.shutdown()
 
 
-def test_lora_with_compile_is_refused_at_startup(adapters: Path) -> None:
-    from serve_app.config import EngineConfig
-
-    with pytest.raises(ValueError, match="compile: LoRA adapters run on the eager forward only"):
-        EngineConfig.from_options(compile=True, dynamic_lora_loading_path=str(adapters))
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tiny_models_adapters_named_in_lora_paths_decode_as_peft_does(
     arch: str, request: pytest.FixtureRequest, tmp_path: Path

@@ -52,7 +52,7 @@ def main(args: argparse.Namespace) -> None:
         names = write_adapters(str(path), Path(folder), args.adapters, args.rank)
         engine = InferenceEngine(
             model=str(path), dynamic_lora_loading_path=folder, max_num_adapters_per_replica=args.adapters,
-            max_lora_rank=args.rank,
+            max_lora_rank=args.rank, compile=args.compile, quantization=args.quantization,
         )
         shares: list[str | None] = [None, *names]  # the base and each adapter, in even shares
         try:
