@@ -197,6 +197,9 @@ def test_body_over_the_limit_is_413_in_both_shapes(server: InProcessServer) -> N
 def test_models_and_health(server: InProcessServer, engine: InferenceEngine) -> None:
     models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == engine.max_model_len
+    assert httpx.get(f"{server.url}/v1/models/{MODEL}", timeout=10).json() == models["data"][0]
+    missing = httpx.get(f"{server.url}/v1/models/other", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok", "model_loaded": True}
 
 

@@ -150,6 +150,9 @@ def test_two_models_in_one_app_each_answer_under_their_own_name(two_engines: Ser
     client, claude = openai_client(two_engines.url), anthropic_client(two_engines.url)
     listed = {card.id: card.parent for card in client.models.list()}
     assert listed == {MODEL: None, f"{MODEL}:a": MODEL, f"{MODEL}:b": MODEL, TINY: None}
+    assert client.models.retrieve(TINY).id == TINY and client.models.retrieve(f"{MODEL}:a").parent == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve(f"{TINY}:a")
     ask = [{"role": "user", "content": "Name a colour."}]
     answers = {}
     for model in (MODEL, TINY):

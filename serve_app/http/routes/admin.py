@@ -8,6 +8,7 @@ from starlette.responses import JSONResponse, Response
 
 from serve_app.http.context import context_of
 from serve_app.http.metrics import CONTENT_TYPE
+from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.http.routes.answering import answers_in
 
@@ -28,6 +29,19 @@ async def models(request: Request) -> Response:
     context = context_of(request)
     await context.ready_caller(request)
     return JSONResponse({"object": "list", "data": await context.models.cards()})
+
+
+@router.get("/v1/models/{model:path}")
+@answers
+async def model_card(request: Request) -> Response:
+    """One model's or adapter's card (the OpenAI SDK's `models.retrieve`); 404 naming it when none has that id."""
+    context = context_of(request)
+    await context.ready_caller(request)
+    model = request.path_params["model"]
+    card = next((card for card in await context.models.cards() if card["id"] == model), None)
+    if card is None:
+        raise ProtocolError("not_found", f"model: {model!r} is not served here", "model")
+    return JSONResponse(card)
 
 
 @router.get("/stats")
