@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from serve_app.bench.servers import ServeRun
-from serve_app.kvsdk import connect, create_request, make_post_completion
+from serve_app.kvsdk import KVError, connect, create_request, make_post_completion
 from tests.adapters import build_adapter
 from tests.inprocess import MODEL, anthropic_client, openai_client
 from tests.tiny_models import build_tiny_model
@@ -208,6 +208,22 @@ def test_kv_lookups_and_retrieves_go_where_the_prefix_is(two_engines: ServeRun) 
         assert context.lookup(prompt, f"other-{index}") == 0  # another salt: nothing, on either replica
         assert context.store(kv, prompt[: 3 * PAGE], f"copy-{index}") is True
         assert context.lookup(prompt, f"copy-{index}") == 3 * PAGE  # the store is found where it landed
+
+
+def test_the_kv_routes_reach_the_model_the_query_names(two_engines: ServeRun) -> None:
+    smollm2, tiny = connect(two_engines.url), connect(two_engines.url, model=TINY)
+    assert (smollm2.config.n_layers, tiny.config.n_layers) == (30, 2)
+    prompt = list(range(3000, 3000 + 2 * PAGE + 3))
+    create_request(tiny, make_post_completion(two_engines.url, model=TINY), prompt, cache_salt="tiny").generate(
+        {"max_tokens": 1, "temperature": 0}
+    )
+    assert tiny.lookup(prompt, "tiny") == 2 * PAGE and smollm2.lookup(prompt, "tiny") == 0
+    kv = tiny.retrieve(prompt, "tiny")
+    assert kv is not None and kv.shape[1] == 2
+    for model, status in (("other", 404), (f"{TINY}:a", 400)):
+        with pytest.raises(KVError) as refused:
+            connect(two_engines.url, model=model, timeout=5)
+        assert refused.value.status == status and "model" in refused.value.message
 
 
 def test_the_router_reports_what_its_decisions_cost(two_engines: ServeRun) -> None:

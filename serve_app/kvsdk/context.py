@@ -23,13 +23,17 @@ class KVError(RuntimeError):
 
 
 class KVContext:
-    """The cached KV of the server at `url`; `kind` names it among a request stream's contexts."""
+    """The cached KV of the server at `url` (of its model `model`; None: its first); `kind` names it among a
+    request stream's contexts."""
 
-    def __init__(self, url: str, kind: str = "kv", timeout: float = 60.0, api_key: str | None = None) -> None:
+    def __init__(
+        self, url: str, kind: str = "kv", timeout: float = 60.0, api_key: str | None = None, model: str | None = None
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = url.rstrip("/")
         self.kind = kind
-        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        params = {"model": model} if model is not None else None
+        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, params=params)
         self.config = KVConfig.from_dict(self._json(self._client.get("/v1/kv/config")))
 
     @property
@@ -72,12 +76,15 @@ def _check(response: httpx.Response) -> None:
         raise KVError(response.status_code, error_message(response))
 
 
-def connect(url: str, kind: str = "kv", timeout: float = 60.0, api_key: str | None = None) -> KVContext:
-    """A `KVContext` for the server at `url`, waiting up to `timeout` seconds for it to answer."""
+def connect(
+    url: str, kind: str = "kv", timeout: float = 60.0, api_key: str | None = None, model: str | None = None
+) -> KVContext:
+    """A `KVContext` for the server at `url` (its model `model`; None: its first), waiting up to `timeout`
+    seconds for it to answer."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return KVContext(url, kind, timeout, api_key)
+            return KVContext(url, kind, timeout, api_key, model)
         except (httpx.TransportError, KVError) as error:
             retriable = isinstance(error, httpx.TransportError) or error.status == 503
             if not retriable or time.monotonic() > deadline:
