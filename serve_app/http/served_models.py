@@ -19,15 +19,12 @@ class ServedModels:
         self._clients = dict(clients)
 
     @property
-    def ids(self) -> list[str]:
-        return list(self._clients)
-
-    @property
     def first(self) -> EngineClient:
-        """The first model's client: the KV routes' engine, and where stats that span every engine are read."""
+        """The first model's client: the KV routes' engine when they name none, and where stats that span every
+        engine are read."""
         return next(iter(self._clients.values()))
 
-    def client_for(self, requested: Any, param: str = "model") -> EngineClient:
+    def client_for(self, requested: Any) -> EngineClient:
         """The client of the model that `requested` names; a value that is not a string gets the first model's,
         whose request parser then names what is wrong with it."""
         if not isinstance(requested, str):
@@ -35,7 +32,7 @@ class ServedModels:
         client = self._clients.get(requested.partition(":")[0])
         if client is None:
             served = ", ".join(repr(model) for model in self._clients)
-            raise ProtocolError("not_found", f"{param}: {requested!r} is not served here; served: {served}", param)
+            raise ProtocolError("not_found", f"model: {requested!r} is not served here; served: {served}", "model")
         return client
 
     def client_of(self, body: Any) -> EngineClient:

@@ -7,7 +7,7 @@ replicas that hold the request's LoRA adapter come first, so an adapter is not l
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -49,9 +49,12 @@ class RoutingPolicy:
     ) -> list[list[str]]:
         best = max(matched.get(c, 0) for c in candidates)
         if best == 0 or best < self.min_match_ratio * pages:
-            first = [c for c in candidates if c in holders]
-            rest = [c for c in candidates if c not in holders]
-            return [first, rest] if first and rest else [candidates]
-        first = [c for c in candidates if matched.get(c, 0) == best]
-        rest = [c for c in candidates if matched.get(c, 0) < best]
-        return [first, rest] if rest else [first]
+            return _first_those(candidates, lambda c: c in holders)
+        return _first_those(candidates, lambda c: matched.get(c, 0) == best)
+
+
+def _first_those(candidates: list[str], chosen: Callable[[str], bool]) -> list[list[str]]:
+    """The `chosen` candidates as a group before the rest (one group when either is empty)."""
+    first = [c for c in candidates if chosen(c)]
+    rest = [c for c in candidates if not chosen(c)]
+    return [first, rest] if first and rest else [candidates]
