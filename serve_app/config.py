@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_CACHE_TOKENS = 32768
@@ -105,6 +105,33 @@ class SchedulerConfig(_Strict):
     )
 
 
+class KVTiersConfig(_Strict):
+    """Stores of whole KV pages behind the page pool (`serve_app.kv.tiers`): every page the pool publishes
+    is written to the host and disk tiers, and a prompt whose pages left the pool loads them back. Sizes
+    take bytes or strings such as "4GiB"."""
+
+    host_bytes: ByteSize | None = Field(
+        None, description="the host tier: this node's page store (a Ray actor, pages in the object store), shared by "
+        "every engine on the node and kept across engine restarts; the first engine on a node sizes it",
+    )
+    disk_path: Path | None = Field(None, description="the disk tier: a folder of page files, each with a checksum")
+    disk_bytes: ByteSize = Field(ByteSize(16 * 2**30), description="what this engine keeps under disk_path at most")
+    cluster: bool = Field(False, description="the cluster tier: fetch pages other nodes' host tiers hold, through Ray")
+    ray_address: str | None = Field(
+        None, description="the Ray cluster of the host and cluster tiers; an engine replica sets it to its own; "
+        "unset: the current connection, else ray.init(address='auto')",
+    )
+    node_id: str | None = Field(None, description="the Ray node whose host tier to use; unset: the connection's own")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes is not None or self.disk_path is not None or self.cluster
+
+    @property
+    def needs_ray(self) -> bool:
+        return self.host_bytes is not None or self.cluster
+
+
 # The engine's flat options (`InferenceEngine(**options)`, the app's `engine_kwargs`): name -> (section, field).
 FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "model": ("model", "name"),
@@ -133,6 +160,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "max_pending_calls": ("scheduler", "max_pending_calls"),
     "call_timeout_s": ("scheduler", "call_timeout_s"),
     "max_consecutive_failed_steps": ("scheduler", "max_consecutive_failed_steps"),
+    "kv_tiers": ("tiers", ""),  # the whole section: {host_bytes: 4GiB, disk_path: ..., cluster: true}
 }
 
 
@@ -142,6 +170,7 @@ class EngineConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    tiers: KVTiersConfig = Field(default_factory=KVTiersConfig)
 
     @model_validator(mode="after")
     def _check_batch_fits(self) -> EngineConfig:
@@ -151,6 +180,8 @@ class EngineConfig(_Strict):
                 "scheduler.max_num_batched_tokens must be >= scheduler.max_num_seqs "
                 f"({self.scheduler.max_num_batched_tokens} < {self.scheduler.max_num_seqs})"
             )
+        if self.tiers.enabled and (self.cache.kind != "paged" or not self.cache.enable_prefix_caching):
+            raise ValueError("kv_tiers: they hold the prefix cache's pages: use kv_cache paged with enable_prefix_caching")
         return self
 
     @classmethod
@@ -165,7 +196,10 @@ class EngineConfig(_Strict):
             if key not in FLAT_OPTIONS:
                 raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(FLAT_OPTIONS))}")
             section, field = FLAT_OPTIONS[key]
-            data[section][field] = value
+            if field:
+                data[section][field] = value
+            else:
+                data[section] = value
         return type(self).model_validate(data)
 
 

@@ -123,7 +123,7 @@ def test_cached_kv_crosses_the_process(process: EngineProcess, config: EngineCon
     prompt = list(range(200, 248))
     process.submit(_greedy(prompt, 1)).wait(60)
     assert process.answer(GetKVConfig()).page_size == 16
-    assert process.answer(LookupKV(prompt)) == 48
+    assert process.answer(LookupKV(prompt)).cached_tokens == 48
     kv = process.answer(RetrieveKV(prompt))
     assert isinstance(kv, torch.Tensor) and kv.shape[2] == 48
     other = process.answer(StoreKV(kv, prompt, cache_salt="elsewhere"))

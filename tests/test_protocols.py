@@ -245,7 +245,8 @@ def test_stats_and_metrics_count_a_request(server: InProcessServer, oai: openai.
     assert after["serve_app_requests_running"] == 0 and after["serve_app_requests_waiting"] == 0
     used = 1 - stats["kv_pages_free"] / stats["kv_pages_total"]
     assert after["serve_app_kv_cache_usage_ratio"] == pytest.approx(used)
-    assert after["serve_app_prefix_cache_hit_tokens_total"] == stats["prefix_cache_hit_tokens"]
+    assert after['serve_app_prefix_cache_hit_tokens_total{tier="pool"}'] == stats["prefix_cache_hit_tokens"]
+    assert after['serve_app_prefix_cache_hit_tokens_total{tier="host"}'] == 0  # this engine has no tiers
 
 
 def test_disconnect_mid_stream_cancels_and_frees(server: InProcessServer, engine: InferenceEngine) -> None:

@@ -34,10 +34,19 @@ class GetKVConfig:
 
 @dataclass(frozen=True)
 class LookupKV:
-    """How many leading tokens of `tokens`, in whole pages, are cached under `cache_salt`."""
+    """How much of `tokens` is cached under `cache_salt`, and where (answers a `KVLookup`)."""
 
     tokens: list[int]
     cache_salt: str = ""
+
+
+@dataclass(frozen=True)
+class KVLookup:
+    """`cached_tokens`: the leading tokens, in whole pages, in the engine's pool (what a retrieve returns);
+    `pages`: the tier holding each leading page held anywhere ("pool", then "host", "disk" or "cluster")."""
+
+    cached_tokens: int
+    pages: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -20,20 +20,26 @@ from serve_app.engine.calls import (
     GetKVConfig,
     ListAdapters,
     GetStats,
+    KVLookup,
     LookupKV,
     RetrieveKV,
     StoreKV,
 )
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.request import GenerateRequest, GenerateResult, StreamDelta
-from serve_app.engine.scheduler import InferenceScheduler
+from serve_app.engine.scheduler import InferenceScheduler, SchedulerStats
 from serve_app.engine.stopping import StopStringMatcher
 from serve_app.engine.task import Task
+from serve_app.engine.tier_loading import TierLoading
 from serve_app.errors import InvalidRequestError
 from serve_app.kv.base import KVCache
 from serve_app.kv.factory import build_kv_cache
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.page_events import PageEventLog
+from serve_app.kv.prefix_cache import page_hashes
+from serve_app.kv.tiers.layout import layout_key
+from serve_app.kv.tiers.pages import TIER_NAMES
+from serve_app.kv.tiers.tier_chain import TierChain
 from serve_app.kv.transfer import KVConfig, KVTransfer, StoreResult
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
@@ -104,6 +110,7 @@ class InferenceEngine:
             if isinstance(self.cache, PageCache) and self.cache.enable_prefix_caching
             else None
         )
+        self._tiers = self._start_tiers()
         self._task_ids = itertools.count(1)
         self.created = int(time.time())
         self.scheduler.start()
@@ -116,6 +123,20 @@ class InferenceEngine:
         if self.config.model.compile:
             runner.compile(cache.storage)
         return runner, cache
+
+    def _start_tiers(self) -> TierChain | None:
+        """The KV tiers behind the page pool, when the config names any (it then has a paged cache)."""
+        config = self.config
+        if not config.tiers.enabled:
+            return None
+        assert isinstance(self.cache, PageCache)
+        layout = layout_key(self.runner.path, config.model.cache_dir, config.model.quantization, self.cache.page_size,
+                            self.runner.kv_shape)
+        chain = TierChain(config.tiers, layout, self.scheduler.deliver_loaded)
+        self.cache.pool.record_published()
+        self.scheduler.tiers = TierLoading(self.cache, chain)
+        logger.info("KV tiers behind the pool: %s", ", ".join(source.name for source in chain.sources))
+        return chain
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -255,7 +276,8 @@ class InferenceEngine:
             case GetKVConfig():
                 return self.kv_config()
             case LookupKV(tokens, cache_salt):
-                return self.kv_lookup(tokens, cache_salt)
+                pages = self.kv_locate(tokens, cache_salt)
+                return KVLookup(pages.count("pool") * self._kv_transfer().page_size, tuple(pages))
             case RetrieveKV(tokens, cache_salt):
                 return self.kv_retrieve(tokens, cache_salt)
             case StoreKV(kv, tokens, cache_salt):
@@ -334,6 +356,16 @@ class InferenceEngine:
         transfer, ids = self._kv_transfer(), _token_list(tokens)
         return self.scheduler.call(lambda: transfer.lookup(ids, cache_salt))
 
+    def kv_locate(self, tokens: Sequence[int], cache_salt: str = "") -> list[str]:
+        """The tier holding each leading whole page of `tokens` held anywhere: "pool" (the engine's own
+        pages), then "host", "disk" or "cluster" for the pages that continue beyond the pool."""
+        transfer, ids = self._kv_transfer(), _token_list(tokens)
+        in_pool = self.scheduler.call(lambda: transfer.lookup(ids, cache_salt)) // transfer.page_size
+        where = ["pool"] * in_pool
+        if self._tiers is not None:
+            where += self._tiers.where(list(page_hashes(ids, transfer.page_size, cache_salt))[in_pool:])
+        return where
+
     def kv_retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
         """`[2, n_layers, T, n_kv_heads * head_dim]` for the longest cached whole-page prefix; None under a page."""
         transfer, ids = self._kv_transfer(), _token_list(tokens)
@@ -356,9 +388,12 @@ class InferenceEngine:
 
     # -- state --------------------------------------------------------------------------------
     def get_stats(self) -> dict[str, int]:
+        stats = self.scheduler.stats
+        return {**self._counters(stats), **self._tier_stats(stats)}
+
+    def _counters(self, stats: SchedulerStats) -> dict[str, int]:
         running, waiting = self.scheduler.counts()
         usage = self.cache.usage()
-        stats = self.scheduler.stats
         adapters = self.runner.adapters
         return {
             "total_tasks": stats.total_tasks,
@@ -376,9 +411,27 @@ class InferenceEngine:
             "lora_adapter_loads": adapters.loads if adapters is not None else 0,
         }
 
+    def _tier_stats(self, stats: SchedulerStats) -> dict[str, int]:
+        """Prefix-cache hits by tier (`prefix_cache_hit_tokens_pool`, `_host`, `_disk`, `_cluster`), and with
+        tiers each one's bytes, pages, evictions (and the disk's corrupt pages found)."""
+        loading = self.scheduler.tiers
+        by_tier = dict(loading.hit_tokens) if loading is not None else dict.fromkeys(TIER_NAMES, 0)
+        out = {"prefix_cache_hit_tokens_pool": stats.prefix_cache_hit_tokens - sum(by_tier.values())}
+        out |= {f"prefix_cache_hit_tokens_{tier}": tokens for tier, tokens in by_tier.items()}
+        if self._tiers is not None:
+            for tier, usage in self._tiers.usage().items():
+                out |= {f"kv_tier_{tier}_bytes": usage.bytes, f"kv_tier_{tier}_pages": usage.pages,
+                        f"kv_tier_{tier}_evictions": usage.evictions}
+                if tier == "disk":
+                    out["kv_tier_disk_corrupt_pages"] = usage.corrupt
+            out |= {"kv_tier_writes_dropped": self._tiers.writes_dropped, "kv_tier_load_failures": self._tiers.load_failures}
+        return out
+
     def shutdown(self) -> None:
         """Stop the scheduler thread; unfinished requests end as cancelled."""
         self.scheduler.stop()
+        if self._tiers is not None:
+            self._tiers.close()
 
 
 def _token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:

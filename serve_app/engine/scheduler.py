@@ -24,8 +24,10 @@ from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.request import StreamDelta, TokenLogprob
 from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
 from serve_app.engine.task import Task, TaskState
+from serve_app.engine.tier_loading import TierLoading
 from serve_app.errors import EngineOverloadedError
 from serve_app.kv.base import KVCache
+from serve_app.kv.tiers.pages import LoadedPages
 from serve_app.kv.view import BatchEntry
 from serve_app.model.runner import ForwardBatch, ModelRunner
 
@@ -63,6 +65,8 @@ class InferenceScheduler:
         self._inbox: list[Task] = []
         self._aborts: set[int] = set()
         self._calls: list[tuple[Callable[[], object], Future]] = []
+        self.tiers: TierLoading | None = None  # the KV tiers behind a paged cache, when configured
+        self._loaded: list[LoadedPages] = []
         self._step_listeners: list[Callable[[], None]] = []
         self._wake = threading.Condition()
         self._stopped = False
@@ -96,12 +100,21 @@ class InferenceScheduler:
         """
         self._step_listeners.append(listener)
 
+    def deliver_loaded(self, loaded: LoadedPages) -> None:
+        """Pages the KV tiers read for a waiting task (from a tier loader thread)."""
+        with self._wake:
+            self._loaded.append(loaded)
+            self._wake.notify()
+
+    def _num_waiting(self) -> int:
+        return len(self.waiting) + len(self._inbox) + (len(self.tiers.loading) if self.tiers is not None else 0)
+
     def submit(self, task: Task) -> None:
         """Queue a task; EngineOverloadedError when `max_waiting_requests` are already waiting."""
         with self._wake:
             if self._stopped:
                 raise RuntimeError("the engine has shut down")
-            if len(self.waiting) + len(self._inbox) >= self.config.max_waiting_requests:
+            if self._num_waiting() >= self.config.max_waiting_requests:
                 raise EngineOverloadedError(
                     f"the engine is overloaded: max_waiting_requests={self.config.max_waiting_requests} are waiting"
                 )
@@ -144,14 +157,15 @@ class InferenceScheduler:
     def counts(self) -> tuple[int, int]:
         """(running, waiting) right now."""
         with self._wake:
-            return len(self.running), len(self.waiting) + len(self._inbox)
+            return len(self.running), self._num_waiting()
 
     # -- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._wake:
                 self._wake.wait_for(
-                    lambda: self._stopped or self._inbox or self._aborts or self._calls or self.running or self.waiting
+                    lambda: self._stopped or self._inbox or self._aborts or self._calls or self._loaded or self.running
+                    or self.waiting
                 )
                 if self._stopped:
                     break
@@ -159,9 +173,12 @@ class InferenceScheduler:
                 self._inbox.clear()
                 aborts, self._aborts = self._aborts, set()
                 calls, self._calls = self._calls, []
+                loaded, self._loaded = self._loaded, []
+            self._take_loaded(loaded)
             self._cancel(aborts)
             for fn, future in calls:
                 _run_into(fn, future)
+            self._offload()  # what the calls published (a KV store), before a step can evict it
             try:
                 self.step()
             except Exception as exc:  # a failed step must not stop the loop; its tasks fail instead
@@ -169,14 +186,32 @@ class InferenceScheduler:
                 self._failed_steps += 1
                 for task in list(self.running):
                     self._finish(task, StreamDelta("", (), "error", error=f"engine step failed: {exc}"))
+            self._offload()
             self._notify_step_listeners()
-        for task in [*self.running, *self.waiting, *self._inbox]:
+        for task in [*self.running, *self.waiting, *self._inbox, *self._loading()]:
             self._finish(task, StreamDelta("", (), "cancelled"))
         self._notify_step_listeners()
         with self._wake:
             for _, future in self._calls:
                 future.set_exception(RuntimeError("the engine has shut down"))
             self._calls.clear()
+
+    def _loading(self) -> list[Task]:
+        return list(self.tiers.loading.values()) if self.tiers is not None else []
+
+    def _take_loaded(self, batches: list[LoadedPages]) -> None:
+        """Tasks whose tier pages came back go to the front of the queue."""
+        for loaded in batches:
+            task = self.tiers.arrived(loaded) if self.tiers is not None else None
+            if task is not None:
+                self.waiting.appendleft(task)
+
+    def _offload(self) -> None:
+        if self.tiers is not None:
+            try:
+                self.tiers.offload()
+            except Exception:  # the pages stay in the pool; only their copies below are lost
+                logger.exception("copying pages to the KV tiers failed")
 
     def _notify_step_listeners(self) -> None:
         for listener in self._step_listeners:
@@ -311,6 +346,7 @@ class InferenceScheduler:
         self.running.remove(task)
         task.state = TaskState.WAITING
         task.num_computed = 0
+        task.tiers_asked = False
         self.waiting.appendleft(task)
         self.stats.preemptions += 1
         logger.debug("preempted task %d at %d tokens", task.task_id, task.num_tokens)
@@ -322,7 +358,13 @@ class InferenceScheduler:
                 self.waiting.popleft()
                 self._finish(task, task.closing_delta("length"))
                 continue
-            cached = self.cache.admit(task.task_id, task.tokens, task.cache_salt)
+            if self.tiers is not None and self.tiers.send(task):
+                self.waiting.popleft()  # it waits aside for its pages; the next may go first
+                continue
+            if self.tiers is not None:
+                cached = self.tiers.admit(task)
+            else:
+                cached = self.cache.admit(task.task_id, task.tokens, task.cache_salt)
             if cached is None:
                 break
             self.waiting.popleft()
@@ -353,7 +395,7 @@ class InferenceScheduler:
     def _cancel(self, task_ids: set[int]) -> None:
         if not task_ids:
             return
-        for task in [t for t in [*self.running, *self.waiting] if t.task_id in task_ids]:
+        for task in [t for t in [*self.running, *self.waiting, *self._loading()] if t.task_id in task_ids]:
             self._finish(task, StreamDelta("", (), "cancelled"))
 
     def _finish(self, task: Task, delta: StreamDelta) -> None:
@@ -363,6 +405,8 @@ class InferenceScheduler:
             self.running.remove(task)
         elif task in self.waiting:
             self.waiting.remove(task)
+        elif self.tiers is not None:
+            self.tiers.forget(task)
         task.state = TaskState.FINISHED
         if task.on_finished is not None:
             task.on_finished()

@@ -18,6 +18,7 @@ from serve_app.engine.request import (
 from serve_app.engine.sampling import SamplingParams
 from serve_app.engine.stopping import StopStringMatcher
 
+from serve_app.kv.tiers.pages import LoadedPages
 from serve_app.model.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class Task:
     state: TaskState = TaskState.WAITING
     num_computed: int = 0
     admitted_once: bool = False
+    tiers_asked: bool = False  # the KV tiers were asked for its prompt's pages since it last waited
+    loaded: LoadedPages | None = None  # pages the tiers gave it, until it is admitted
 
     @property
     def num_tokens(self) -> int:

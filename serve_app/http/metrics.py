@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from serve_app.http.protocols.base import Choice, RequestObserver
+from serve_app.kv.tiers.pages import TIER_NAMES
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -26,10 +27,25 @@ class _EngineStateCollector:
         total = s.get("kv_pages_total", 0)
         used = (total - s.get("kv_pages_free", 0)) / total if total else 0.0
         yield GaugeMetricFamily("serve_app_kv_cache_usage_ratio", "Fraction of KV cache pages in use or cached.", value=used)
-        yield CounterMetricFamily(
-            "serve_app_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
-            value=s.get("prefix_cache_hit_tokens", 0),
+        hits = CounterMetricFamily(
+            "serve_app_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache, by the tier that held them.",
+            labels=["tier"],
         )
+        for tier in ("pool", *TIER_NAMES):
+            hits.add_metric([tier], s.get(f"prefix_cache_hit_tokens_{tier}", 0))
+        yield hits
+        held = [tier for tier in TIER_NAMES if f"kv_tier_{tier}_bytes" in s]
+        if held:
+            size = GaugeMetricFamily("serve_app_kv_tier_bytes", "Bytes of KV pages a tier holds.", labels=["tier"])
+            evicted = CounterMetricFamily("serve_app_kv_tier_evictions", "KV pages a tier let go to make room.",
+                                          labels=["tier"])
+            for tier in held:
+                size.add_metric([tier], s[f"kv_tier_{tier}_bytes"])
+                evicted.add_metric([tier], s[f"kv_tier_{tier}_evictions"])
+            yield size
+            yield evicted
+            yield CounterMetricFamily("serve_app_kv_tier_corrupt_pages", "Disk page files found corrupt (recomputed).",
+                                      value=s.get("kv_tier_disk_corrupt_pages", 0))
         yield CounterMetricFamily("serve_app_preemptions", "Requests preempted by recompute.", value=s.get("preemptions", 0))
 
 

@@ -8,9 +8,10 @@ import torch
 
 from serve_app.kv.base import CacheUsage, KVCache
 from serve_app.kv.page_pool import PagePool
-from serve_app.kv.prefix_cache import chain_hash
+from serve_app.kv.prefix_cache import PageHash, chain_hash, page_hashes
 from serve_app.kv.storage import KVShape, Storage
 from serve_app.kv.task_table import TaskPages, TaskTable
+from serve_app.kv.tiers.pages import LoadedPages
 from serve_app.kv.view import BatchEntry, KVCacheView
 
 _ADMISSION_RESERVE = 0.01
@@ -46,28 +47,51 @@ class PageCache(KVCache):
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def admit(self, task_id: int, tokens: Sequence[int], cache_salt: str) -> int | None:
+    def _max_shared_pages(self, tokens: Sequence[int]) -> int:
+        # The last token is always computed again: its logits pick the next token.
+        return (len(tokens) - 1) // self.page_size
+
+    def admit(self, task_id: int, tokens: Sequence[int], cache_salt: str, loaded: LoadedPages | None = None) -> int | None:
+        """As `KVCache.admit`; `loaded` pages (read from the tiers) continue the pool's match where they can."""
         matched: list[int] = []
         last_hash = None
         if self.enable_prefix_caching:
-            # The last token is always computed again: its logits pick the next token.
-            matched, last_hash = self.pool.match_prefix(tokens, cache_salt, (len(tokens) - 1) // self.page_size)
+            matched, last_hash = self.pool.match_prefix(tokens, cache_salt, self._max_shared_pages(tokens))
+        offset, usable = 0, 0
+        if loaded is not None:
+            offset = len(matched) - loaded.start
+            if 0 <= offset < len(loaded):
+                usable = min(len(loaded) - offset, self._max_shared_pages(tokens) - len(matched))
         fresh = self.pool.allocate(self._pages_for(len(tokens)) - len(matched), keep_free=self.reserve_pages)
         if fresh is None:
             self.pool.release(matched)
             return None
-        cached = len(matched) * self.page_size
+        if usable > 0:
+            assert loaded is not None
+            loaded.write_into(self.storage, offset, fresh[:usable])
+            for index, page in enumerate(fresh[:usable]):
+                self.pool.publish(page, loaded.hashes[offset + index], record=False)  # the tiers hold it
+            last_hash = loaded.hashes[offset + usable - 1]
+        shared = len(matched) + usable
         self.tasks.add(
             task_id,
             TaskPages(
                 cache_salt=cache_salt,
                 pages=matched + fresh,
-                cached_tokens=cached,
-                num_published=len(matched),
+                cached_tokens=shared * self.page_size,
+                num_published=shared,
                 last_hash=last_hash,
             ),
         )
-        return cached
+        return shared * self.page_size
+
+    def pages_beyond_pool(self, tokens: Sequence[int], cache_salt: str) -> tuple[int, list[PageHash]]:
+        """The first page of `tokens` the pool lacks, and the hashes of it and of the whole pages after it
+        that a request could share (what a tier might hold)."""
+        hashes = list(page_hashes(tokens, self.page_size, cache_salt, self._max_shared_pages(tokens)))
+        start = next((i for i, page_hash in enumerate(hashes) if self.pool.prefix_cache.lookup(page_hash) is None),
+                     len(hashes))
+        return start, hashes[start:]
 
     def grow(self, task_id: int, num_tokens: int) -> bool:
         entry = self.tasks[task_id]

@@ -15,6 +15,8 @@ class PagePool:
         self.page_size = page_size
         self.prefix_cache = PrefixCache()
         self.allocator = Allocator(n_pages, on_evict=self.prefix_cache.drop)
+        # Pages published since the last `take_published`, when something (the KV tiers) copies them out.
+        self._published: list[tuple[PageHash, int]] | None = None
 
     @property
     def n_pages(self) -> int:
@@ -43,9 +45,22 @@ class PagePool:
             return None
         return self.allocator.allocate(count)
 
-    def publish(self, page: int, page_hash: PageHash) -> None:
+    def publish(self, page: int, page_hash: PageHash, record: bool = True) -> None:
         """Offer a fully written page to later requests (a no-op if the hash is already published)."""
-        self.prefix_cache.insert(page_hash, page)
+        if self.prefix_cache.insert(page_hash, page) and record and self._published is not None:
+            self._published.append((page_hash, page))
+
+    def record_published(self) -> None:
+        """From now on, keep the pages published (unless `record=False`) for `take_published`."""
+        self._published = []
+
+    def take_published(self) -> list[tuple[PageHash, int]]:
+        """The (hash, page) pairs published since the last call. Take them before any allocation can
+        evict one: a page evicted meanwhile would hold another prefix's tokens."""
+        if not self._published:
+            return []
+        taken, self._published = self._published, []
+        return taken
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one reference from each of a chain's pages, given in position order.

@@ -41,9 +41,16 @@ class KVContext:
         return self.config.page_size
 
     def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
-        """How many leading tokens, in whole pages, are cached under `cache_salt`."""
+        """How many leading tokens, in whole pages, are cached under `cache_salt` in the engine's pool."""
+        return int(self._lookup(tokens, cache_salt)["cached_tokens"])
+
+    def locate(self, tokens: Sequence[int], cache_salt: str = "") -> list[str]:
+        """The tier holding each leading page held anywhere: "pool", then "host", "disk" or "cluster"."""
+        return list(self._lookup(tokens, cache_salt)["pages"])
+
+    def _lookup(self, tokens: Sequence[int], cache_salt: str) -> dict:
         body = {"tokens": list(tokens), "cache_salt": cache_salt}
-        return int(self._json(self._client.post("/v1/kv/lookup", json=body))["cached_tokens"])
+        return self._json(self._client.post("/v1/kv/lookup", json=body))
 
     def retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
         """`[2, n_layers, T, n_kv_heads * head_dim]` for the longest cached whole-page prefix, or None."""

@@ -54,7 +54,8 @@ async def kv_config(request: Request) -> Response:
 @answers
 async def kv_lookup(request: Request) -> Response:
     req, salt = await _tokens_request(request)
-    return JSONResponse({"cached_tokens": await _engine(request).ask(LookupKV(req.tokens, salt))})
+    found = await _engine(request).ask(LookupKV(req.tokens, salt))
+    return JSONResponse({"cached_tokens": found.cached_tokens, "pages": list(found.pages)})
 
 
 @router.post("/retrieve")

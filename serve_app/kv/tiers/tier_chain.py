@@ -1,0 +1,137 @@
+"""TierChain: the engine's tiers behind its page pool, and the two threads that move pages through them.
+
+Down: every page the pool publishes is copied out (on the scheduler thread, one gather per round) and
+written by the writer thread to each store, host then disk, so a page the pool evicts is already there.
+The writer's queue is bounded; a batch that finds it full is dropped (those pages are recomputed if
+needed again), so a slow disk never holds up the engine. Up: a prompt whose pages continue beyond the
+pool is read by a loader thread from the first tier holding each run (host, disk, then other nodes'
+hosts) while the scheduler runs other requests' steps; the scheduler then copies the pages in. Any
+failure of a tier is a miss: the tokens are recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from serve_app.config import KVTiersConfig
+from serve_app.kv.prefix_cache import PageHash
+from serve_app.kv.storage import Storage
+from serve_app.kv.tiers.disk import DiskStore
+from serve_app.kv.tiers.pages import LoadedPages, PageKey, gather_pages, page_keys
+from serve_app.kv.tiers.store import PageSource, PageStore, StoreUsage
+
+logger = logging.getLogger(__name__)
+
+# Bytes of pages waiting for the writer at most; a batch past it is dropped.
+WRITE_QUEUE_BYTES = 512 * 2**20
+LOADER_THREADS = 2
+
+
+class TierChain:
+    def __init__(self, config: KVTiersConfig, layout: bytes, on_loaded: Callable[[LoadedPages], None]) -> None:
+        self.layout = layout
+        self._on_loaded = on_loaded
+        self.stores: list[PageStore] = []
+        self.sources: list[PageSource] = []
+        if config.needs_ray:
+            from serve_app.kv.tiers.ray_stores import ClusterStore, HostStore, connect
+
+            node_id = connect(config.ray_address, config.node_id)
+            if config.host_bytes is not None:
+                self.stores.append(HostStore(node_id, int(config.host_bytes)))
+            cluster = ClusterStore(node_id) if config.cluster else None
+        else:
+            cluster = None
+        if config.disk_path is not None:
+            self.stores.append(DiskStore(Path(config.disk_path), int(config.disk_bytes)))
+        self.sources = [*self.stores, *([cluster] if cluster is not None else [])]
+        self.writes_dropped = 0
+        self.load_failures = 0
+        self._queued_bytes = 0
+        self._lock = threading.Lock()
+        self._writes: queue.SimpleQueue[tuple[list[PageKey], list[np.ndarray]] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+        self._writer.start()
+        self._loaders = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="kv-tier-loader")
+
+    # -- down: from the scheduler thread ----------------------------------------------------------
+    def offload(self, storage: Storage, published: Sequence[tuple[PageHash, int]]) -> None:
+        """Queue copies of these just-published pages for the stores (dropped if the queue is full)."""
+        if not published or not self.stores:
+            return
+        size = len(published) * storage.shape.bytes_per_token * storage.page_size
+        with self._lock:
+            if self._queued_bytes + size > WRITE_QUEUE_BYTES:
+                self.writes_dropped += len(published)
+                return
+            self._queued_bytes += size
+        hashes = [page_hash for page_hash, _ in published]
+        self._writes.put((page_keys(self.layout, hashes), gather_pages(storage, [page for _, page in published])))
+
+    def _write_loop(self) -> None:
+        while (batch := self._writes.get()) is not None:
+            keys, pages = batch
+            for store in self.stores:
+                try:
+                    store.write(keys, pages)
+                except Exception:
+                    logger.warning("the %s tier could not take %d pages", store.name, len(keys), exc_info=True)
+            with self._lock:
+                self._queued_bytes -= sum(page.nbytes for page in pages)
+
+    # -- up: a loader thread reads, the scheduler is told ---------------------------------------
+    def load(self, task_id: int, start: int, hashes: list[PageHash]) -> None:
+        """Read pages `start`, `start + 1`, ... of a task's prompt (their hashes given) from the tiers;
+        `on_loaded` gets them (maybe none) on a loader thread."""
+        self._loaders.submit(self._load, task_id, start, hashes)
+
+    def _load(self, task_id: int, start: int, hashes: list[PageHash]) -> None:
+        keys = page_keys(self.layout, hashes)
+        data: list[np.ndarray] = []
+        tiers: list[str] = []
+        try:
+            progressed = True
+            while progressed and len(data) < len(keys):
+                progressed = False
+                for source in self.sources:
+                    pages = source.read(keys[len(data):])
+                    if pages:
+                        data += pages
+                        tiers += [source.name] * len(pages)
+                        progressed = True
+                        break
+        except Exception:
+            logger.warning("a KV tier failed to load pages: they are recomputed", exc_info=True)
+            with self._lock:
+                self.load_failures += 1
+        self._on_loaded(LoadedPages(task_id, start, hashes[: len(data)], data, tiers))
+
+    def where(self, hashes: Sequence[PageHash]) -> list[str]:
+        """Which tier holds each page of a run that the pool does not (blocking; not on the scheduler thread)."""
+        keys = page_keys(self.layout, hashes)
+        found: list[str] = []
+        progressed = True
+        while progressed and len(found) < len(keys):
+            progressed = False
+            for source in self.sources:
+                count = source.held(keys[len(found):])
+                if count:
+                    found += [source.name] * count
+                    progressed = True
+                    break
+        return found
+
+    def usage(self) -> dict[str, StoreUsage]:
+        return {store.name: store.usage() for store in self.stores}
+
+    def close(self) -> None:
+        self._writes.put(None)
+        self._writer.join(timeout=30)
+        self._loaders.shutdown(wait=False, cancel_futures=False)
