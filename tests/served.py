@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve_app.bench.servers import ROOT, free_port, users_environment
 from tests.inprocess import MODEL, openai_client
@@ -166,3 +167,14 @@ class TwoNodeCluster:
         for log in self._logs:
             log.close()
         shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+
+def metric_samples(url: str) -> dict[str, float]:
+    """Every sample of `/metrics` by name and labels, e.g. `serve_app_requests_total{finish_reason="length"}`."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples

@@ -10,12 +10,12 @@ import anthropic
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.config import ServerConfig
 from serve_app.http.engine_client import LocalEngineClient
 from tests.inprocess import MODEL, InProcessServer, engine_server
+from tests.served import metric_samples
 
 CHAT = [{"role": "user", "content": "Name three fruits."}]
 
@@ -214,25 +214,14 @@ def test_not_ready_engine_answers_503(engine: InferenceEngine) -> None:
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 503
 
 
-def _metrics(server: InProcessServer) -> dict[str, float]:
-    """Every sample of `/metrics` by name and labels, e.g. `serve_app_requests_total{finish_reason="length"}`."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return samples
-
-
 def test_stats_and_metrics_count_a_request(server: InProcessServer, oai: openai.OpenAI, engine: InferenceEngine) -> None:
-    stats_before, before = httpx.get(f"{server.url}/stats", timeout=10).json(), _metrics(server)
+    stats_before, before = httpx.get(f"{server.url}/stats", timeout=10).json(), metric_samples(server.url)
     reply = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     stats = httpx.get(f"{server.url}/stats", timeout=10).json()
     assert stats["total_tasks"] - stats_before["total_tasks"] == 1
     assert stats["total_tokens"] - stats_before["total_tokens"] == 4
     assert stats["active_tasks"] == 0 and stats["kv_pages_total"] == engine.get_stats()["kv_pages_total"]
-    after = _metrics(server)
+    after = metric_samples(server.url)
 
     def grew(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)

@@ -9,8 +9,10 @@ Stats = dict[str, int]
 
 
 def is_idle(stats: Stats) -> bool:
-    """Nothing running or waiting, and every page free (cached pages nobody holds count as free)."""
-    return stats["active_tasks"] == 0 and stats["waiting_queue"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+    """Nothing running or waiting, every page free (cached pages nobody holds count as free), and every page
+    copied out for the KV tiers written."""
+    return (stats["active_tasks"] == 0 and stats["waiting_queue"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+            and stats.get("kv_tier_writes_queued_bytes", 0) == 0)
 
 
 def wait_idle(read_stats: Callable[[], Stats], timeout: float = 30.0, interval: float = 0.05) -> Stats:

@@ -110,7 +110,7 @@ class InferenceEngine:
             if isinstance(self.cache, PageCache) and self.cache.enable_prefix_caching
             else None
         )
-        self._tiers = self._start_tiers()
+        self.tiers = self._start_tiers()  # None without kv_tiers
         self._task_ids = itertools.count(1)
         self.created = int(time.time())
         self.scheduler.start()
@@ -362,8 +362,8 @@ class InferenceEngine:
         transfer, ids = self._kv_transfer(), _token_list(tokens)
         in_pool = self.scheduler.call(lambda: transfer.lookup(ids, cache_salt)) // transfer.page_size
         where = ["pool"] * in_pool
-        if self._tiers is not None:
-            where += self._tiers.where(list(page_hashes(ids, transfer.page_size, cache_salt))[in_pool:])
+        if self.tiers is not None:
+            where += self.tiers.where(list(page_hashes(ids, transfer.page_size, cache_salt))[in_pool:])
         return where
 
     def kv_retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
@@ -418,20 +418,21 @@ class InferenceEngine:
         by_tier = dict(loading.hit_tokens) if loading is not None else dict.fromkeys(TIER_NAMES, 0)
         out = {"prefix_cache_hit_tokens_pool": stats.prefix_cache_hit_tokens - sum(by_tier.values())}
         out |= {f"prefix_cache_hit_tokens_{tier}": tokens for tier, tokens in by_tier.items()}
-        if self._tiers is not None:
-            for tier, usage in self._tiers.usage().items():
+        if self.tiers is not None:
+            for tier, usage in self.tiers.usage().items():
                 out |= {f"kv_tier_{tier}_bytes": usage.bytes, f"kv_tier_{tier}_pages": usage.pages,
                         f"kv_tier_{tier}_evictions": usage.evictions}
                 if tier == "disk":
                     out["kv_tier_disk_corrupt_pages"] = usage.corrupt
-            out |= {"kv_tier_writes_dropped": self._tiers.writes_dropped, "kv_tier_load_failures": self._tiers.load_failures}
+            out |= {"kv_tier_writes_queued_bytes": self.tiers.queued_bytes, "kv_tier_writes_dropped": self.tiers.writes_dropped,
+                    "kv_tier_load_failures": self.tiers.load_failures}
         return out
 
     def shutdown(self) -> None:
         """Stop the scheduler thread; unfinished requests end as cancelled."""
         self.scheduler.stop()
-        if self._tiers is not None:
-            self._tiers.close()
+        if self.tiers is not None:
+            self.tiers.close()
 
 
 def _token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:

@@ -44,7 +44,7 @@ class DiskStore(PageStore):
         self._lock = threading.Lock()
         self._adopt_existing()
 
-    def _path(self, key: PageKey) -> Path:
+    def path_of(self, key: PageKey) -> Path:
         name = key.hex()
         return self.folder / name[-2:] / f"{name}{_SUFFIX}"
 
@@ -65,7 +65,7 @@ class DiskStore(PageStore):
     def held(self, keys: Sequence[PageKey]) -> int:
         count = 0
         for key in keys:
-            if key not in self._sizes and not self._path(key).exists():
+            if key not in self._sizes and not self.path_of(key).exists():
                 break
             count += 1
         return count
@@ -80,7 +80,7 @@ class DiskStore(PageStore):
         return pages
 
     def _read_one(self, key: PageKey) -> np.ndarray | None:
-        path = self._path(key)
+        path = self.path_of(key)
         try:
             with open(path, "rb") as file:
                 raw = bytearray(file.read())
@@ -108,7 +108,7 @@ class DiskStore(PageStore):
                 if key in self._sizes:
                     self._sizes.move_to_end(key)
                     continue
-            path = self._path(key)
+            path = self.path_of(key)
             payload = memoryview(np.ascontiguousarray(page)).cast("B")
             path.parent.mkdir(exist_ok=True)
             staging = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
@@ -129,7 +129,7 @@ class DiskStore(PageStore):
                 key, size = self._sizes.popitem(last=False)
                 self._bytes -= size
                 self._evictions += 1
-            self._path(key).unlink(missing_ok=True)
+            self.path_of(key).unlink(missing_ok=True)
 
     def _forget(self, key: PageKey) -> None:
         with self._lock:
@@ -139,7 +139,7 @@ class DiskStore(PageStore):
 
     def _remove(self, key: PageKey) -> None:
         self._forget(key)
-        self._path(key).unlink(missing_ok=True)
+        self.path_of(key).unlink(missing_ok=True)
 
     def usage(self) -> StoreUsage:
         with self._lock:

@@ -128,6 +128,12 @@ class TierChain:
                     break
         return found
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of pages copied out and not yet written to every store."""
+        with self._lock:
+            return self._queued_bytes
+
     def usage(self) -> dict[str, StoreUsage]:
         return {store.name: store.usage() for store in self.stores}
 
