@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shlex
 import shutil
@@ -19,6 +20,7 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from serve_app.bench.idle import wait_idle
 from serve_app.bench.servers import ROOT, free_port, users_environment
 from tests.inprocess import MODEL, openai_client
 
@@ -178,3 +180,21 @@ def metric_samples(url: str) -> dict[str, float]:
             labels = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
+
+
+def random_ids(seed: int, count: int) -> list[int]:
+    """`count` token ids, the same for the same seed: a prompt no other test shares."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(count)]
+
+
+def greedy_completion(url: str, ids: list[int], salt: str | None = None, wait_idle_after: bool = True) -> tuple[str, int]:
+    """Greedy text (12 tokens) and cached prompt tokens of one completion of `ids`, by default once the
+    server's engines are idle again (every page they published written to their KV tiers)."""
+    reply = openai_client(url).completions.create(
+        model=MODEL, prompt=ids, max_tokens=12, temperature=0, timeout=300,
+        extra_body={"ignore_eos": True, **({"cache_salt": salt} if salt else {})},
+    )
+    if wait_idle_after:
+        wait_idle(lambda: httpx.get(f"{url}/stats", timeout=10).json(), timeout=120)
+    return reply.choices[0].text, reply.usage.prompt_tokens_details.cached_tokens

@@ -6,7 +6,6 @@ and after the engine replica's process is killed, the replica Serve starts again
 from __future__ import annotations
 
 import os
-import random
 import signal
 import time
 from collections.abc import Iterator
@@ -14,14 +13,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from serve_app.bench.idle import wait_idle
 from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import KVContext, connect
-from tests.inprocess import MODEL, openai_client
-from tests.served import metric_samples
+from tests.served import greedy_completion, metric_samples, random_ids
 
 PAGE = 16
-NEW_TOKENS = 12
 PREFIX = 2010
 ENGINE_KWARGS = {"cache_tokens": 2560, "max_model_len": 4096, "kv_tiers": {"host_bytes": "1GiB"}}
 
@@ -33,26 +29,10 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
     run.stop()
 
 
-def prompt_ids(seed: int, count: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(count)]
-
-
-def complete(url: str, ids: list[int], salt: str | None = None) -> tuple[str, int]:
-    """Greedy text and cached prompt tokens of one completion, once the engine is idle again (every page
-    it published written to the tiers)."""
-    reply = openai_client(url).completions.create(
-        model=MODEL, prompt=ids, max_tokens=NEW_TOKENS, temperature=0, timeout=300,
-        extra_body={"ignore_eos": True, **({"cache_salt": salt} if salt else {})},
-    )
-    wait_idle(lambda: httpx.get(f"{url}/stats", timeout=10).json(), timeout=120)
-    return reply.choices[0].text, reply.usage.prompt_tokens_details.cached_tokens
-
-
 def evict(url: str, kv: KVContext, ids: list[int]) -> None:
     """Other traffic until no page of `ids` is left in the pool."""
     for seed in range(100, 110):
-        complete(url, prompt_ids(seed, 1200))
+        greedy_completion(url, random_ids(seed, 1200))
         if "pool" not in kv.locate(ids):
             return
     raise AssertionError(f"other traffic did not evict the prefix: {kv.locate(ids)}")
@@ -64,19 +44,19 @@ def _host_hits(url: str) -> float:
 
 def test_an_evicted_prefix_comes_back_from_the_host_tier(app: ServeRun) -> None:
     kv = connect(app.url)
-    ids = prompt_ids(1, PREFIX)
-    cold, cached = complete(app.url, ids)
+    ids = random_ids(1, PREFIX)
+    cold, cached = greedy_completion(app.url, ids)
     assert cached == 0 and kv.locate(ids) == ["pool"] * (PREFIX // PAGE)
     evict(app.url, kv, ids)
     assert kv.locate(ids) == ["host"] * (PREFIX // PAGE) and kv.lookup(ids) == 0
     before = _host_hits(app.url)
-    warm, warm_cached = complete(app.url, ids)
+    warm, warm_cached = greedy_completion(app.url, ids)
     assert warm_cached >= 1984 and warm_cached == (PREFIX - 1) // PAGE * PAGE
     assert warm == cold
     samples = metric_samples(app.url)
     assert samples['serve_app_prefix_cache_hit_tokens_total{tier="host"}'] - before == warm_cached
     assert samples['serve_app_kv_tier_bytes{tier="host"}'] >= PREFIX // PAGE * PAGE * 46080  # bytes a token's KV takes
-    _, cached = complete(app.url, ids, salt="another-tenant")
+    _, cached = greedy_completion(app.url, ids, salt="another-tenant")
     assert cached == 0 and _host_hits(app.url) - before == warm_cached  # no hit anywhere for the other salt
 
 
@@ -87,8 +67,8 @@ def _replica(url: str) -> tuple[str, dict]:
 
 
 def test_a_restarted_replica_still_finds_the_prefix_in_the_host_tier(app: ServeRun) -> None:
-    ids = prompt_ids(2, PREFIX)
-    cold, _ = complete(app.url, ids)
+    ids = random_ids(2, PREFIX)
+    cold, _ = greedy_completion(app.url, ids)
     killed, stats = _replica(app.url)
     os.kill(stats["pid"], signal.SIGKILL)  # the replica's process; its engine process follows it
     deadline = time.monotonic() + 240
@@ -102,6 +82,6 @@ def test_a_restarted_replica_still_finds_the_prefix_in_the_host_tier(app: ServeR
         assert time.monotonic() < deadline, "Serve did not start the killed replica again"
         time.sleep(1)
     assert connect(app.url).locate(ids) == ["host"] * (PREFIX // PAGE)
-    warm, cached = complete(app.url, ids)
+    warm, cached = greedy_completion(app.url, ids)
     assert cached == (PREFIX - 1) // PAGE * PAGE and warm == cold
     assert _replica(app.url)[1]["prefix_cache_hit_tokens_host"] == cached  # the new replica's first hit
