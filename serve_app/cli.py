@@ -37,6 +37,12 @@ def _bench_serve(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_tiers(args: argparse.Namespace) -> None:
+    from serve_app.bench.tiers_bench import main
+
+    main(args)
+
+
 def _bench_prefix(args: argparse.Namespace) -> None:
     from serve_app.bench.prefix_bench import main
 
@@ -172,6 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--seed", type=int, default=0)
     prefix.add_argument("--json", default=None)
     prefix.set_defaults(func=_bench_prefix)
+
+    tiers = bench.add_parser("tiers", help="TTFT of a long prefix recomputed and from each KV tier; conversations "
+                             "overflowing the pool, tiers on and off (a two-raylet Ray cluster on this host)")
+    tiers.add_argument("--model", default=DEFAULT_MODEL)
+    tiers.add_argument("--prefix-tokens", type=int, default=3000, help="length of each shared document")
+    tiers.add_argument("--documents", type=int, default=3, help="documents per case (TTFT p50 over them)")
+    tiers.add_argument("--conversations", type=int, default=4)
+    tiers.add_argument("--turns", type=int, default=4)
+    tiers.add_argument("--system-tokens", type=int, default=1500, help="each conversation's system prompt")
+    tiers.add_argument("--pool-tokens", type=int, default=4096, help="the pool of the conversations' engines")
+    tiers.add_argument("--max-tokens", type=int, default=16)
+    tiers.add_argument("--json", default=None)
+    tiers.set_defaults(func=_bench_tiers)
 
     soak = bench.add_parser("soak", help="many streaming clients (some hanging up, some malformed) against serve run")
     soak.add_argument("--clients", type=int, default=48)

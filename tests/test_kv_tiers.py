@@ -6,6 +6,7 @@ page file is recomputed; tenants never meet there; and the disk store's own boun
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,6 +126,16 @@ def test_tenants_never_meet_in_the_disk_tier(tiered: InferenceEngine) -> None:
     assert _hits(tiered)["disk"] - before["disk"] == same.cached_tokens
 
 
+def test_a_tier_that_is_gone_is_a_miss_and_the_request_recomputes(tiered: InferenceEngine) -> None:
+    ids = _prompt(tiered, 5, 1500)
+    cold = _greedy(tiered, ids)
+    _evict(tiered, ids)
+    shutil.rmtree(_disk(tiered).folder)  # every read and write of the disk tier fails from now on
+    warm = _greedy(tiered, ids)
+    assert warm.cached_tokens == 0 and warm.finish_reason == "length" and warm.token_ids == cold.token_ids
+    assert tiered.kv_locate(ids) == ["pool"] * (1500 // PAGE)
+
+
 def _page(value: int, size: int = 1000) -> np.ndarray:
     return np.full(size, value, dtype=np.uint8)
 
@@ -153,3 +164,16 @@ def test_the_disk_store_reads_a_run_up_to_its_first_bad_file(tmp_path: Path) -> 
     assert [int(page[0]) for page in pages] == [0]
     assert pages[0].flags.writeable  # the engine makes tensors of it
     assert not store.path_of(keys[1]).exists() and store.usage().corrupt == 1
+
+
+def test_the_tiers_config_is_checked_where_it_is_given() -> None:
+    from serve_app.config import EngineConfig
+
+    tiers = EngineConfig.from_options(kv_tiers={"host_bytes": "4GiB", "disk_path": "/tmp/kv", "cluster": True}).tiers
+    assert tiers.host_bytes == 4 * 2**30 and tiers.disk_bytes == 16 * 2**30 and tiers.needs_ray
+    with pytest.raises(ValueError, match="hosts_bytes"):
+        EngineConfig.from_options(kv_tiers={"hosts_bytes": "4GiB"})
+    with pytest.raises(ValueError, match="kv_tiers: they hold the prefix cache's pages"):
+        EngineConfig.from_options(kv_cache="contiguous", kv_tiers={"disk_path": "/tmp/kv"})
+    with pytest.raises(ValueError, match="host_bytes"):
+        EngineConfig.from_options(kv_tiers={"host_bytes": "lots"})

@@ -24,7 +24,7 @@ def store_name(node_id: str) -> str:
     return f"kv_pages:{node_id}"
 
 
-@ray.remote(num_cpus=0, max_concurrency=8)
+@ray.remote(num_cpus=0, max_concurrency=8, max_restarts=-1)  # one that dies comes back empty
 class NodePageStore:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity = capacity_bytes

@@ -121,7 +121,11 @@ class TierChain:
         while progressed and len(found) < len(keys):
             progressed = False
             for source in self.sources:
-                count = source.held(keys[len(found):])
+                try:
+                    count = source.held(keys[len(found):])
+                except Exception:
+                    logger.warning("the %s tier did not say what it holds", source.name, exc_info=True)
+                    continue
                 if count:
                     found += [source.name] * count
                     progressed = True
