@@ -157,12 +157,13 @@ class TwoNodeCluster:
         return [(node, proc) for node, root in nodes for proc in _engine_replicas_under(root.pid)]
 
     def stop(self) -> None:
-        """Stop the two raylets this cluster started, each by its own process group."""
+        """Stop the two raylets this cluster started, each by its own process group (a head's `ray start
+        --block` outlives a SIGTERM to its group by more than half a minute: it gets 5 s, then SIGKILL)."""
         for process in (self.worker, self.head):
-            for sig in (signal.SIGTERM, signal.SIGKILL):
+            for sig, grace in ((signal.SIGTERM, 5), (signal.SIGKILL, 20)):
                 try:
                     os.killpg(process.pid, sig)
-                    process.wait(timeout=20)
+                    process.wait(timeout=grace)
                     break
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     continue

@@ -92,7 +92,7 @@ def test_an_evicted_prefix_comes_back_from_disk_with_the_same_tokens(tiered: Inf
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
 def test_a_damaged_page_file_is_recomputed_and_the_output_is_unchanged(tiered: InferenceEngine, damage: str) -> None:
-    ids = _prompt(tiered, 2 if damage == "flipped" else 3, 1500)
+    ids = _prompt(tiered, 2 if damage == "flipped" else 3, 800)
     cold = _greedy(tiered, ids)
     _evict(tiered, ids)
     disk = _disk(tiered)
@@ -113,7 +113,7 @@ def test_a_damaged_page_file_is_recomputed_and_the_output_is_unchanged(tiered: I
 
 
 def test_tenants_never_meet_in_the_disk_tier(tiered: InferenceEngine) -> None:
-    ids = _prompt(tiered, 4, 1500)
+    ids = _prompt(tiered, 4, 800)
     _greedy(tiered, ids, salt="tenant-a")
     _evict(tiered, ids, salt="tenant-a")
     before = _hits(tiered)
@@ -122,18 +122,18 @@ def test_tenants_never_meet_in_the_disk_tier(tiered: InferenceEngine) -> None:
     _evict(tiered, ids, salt="tenant-a")
     before = _hits(tiered)
     same = _greedy(tiered, ids, salt="tenant-a")
-    assert same.cached_tokens == (1500 - 1) // PAGE * PAGE
+    assert same.cached_tokens == (800 - 1) // PAGE * PAGE
     assert _hits(tiered)["disk"] - before["disk"] == same.cached_tokens
 
 
 def test_a_tier_that_is_gone_is_a_miss_and_the_request_recomputes(tiered: InferenceEngine) -> None:
-    ids = _prompt(tiered, 5, 1500)
+    ids = _prompt(tiered, 5, 800)
     cold = _greedy(tiered, ids)
     _evict(tiered, ids)
     shutil.rmtree(_disk(tiered).folder)  # every read and write of the disk tier fails from now on
     warm = _greedy(tiered, ids)
     assert warm.cached_tokens == 0 and warm.finish_reason == "length" and warm.token_ids == cold.token_ids
-    assert tiered.kv_locate(ids) == ["pool"] * (1500 // PAGE)
+    assert tiered.kv_locate(ids) == ["pool"] * (800 // PAGE)
 
 
 def _page(value: int, size: int = 1000) -> np.ndarray:

@@ -35,23 +35,13 @@ LOADER_THREADS = 2
 
 
 class TierChain:
+    """The tiers of one engine (`stores` are written to; `sources`, the stores then the cluster, are read
+    in that order), its writer thread and its loader threads."""
+
     def __init__(self, config: KVTiersConfig, layout: bytes, on_loaded: Callable[[LoadedPages], None]) -> None:
         self.layout = layout
         self._on_loaded = on_loaded
-        self.stores: list[PageStore] = []
-        self.sources: list[PageSource] = []
-        if config.needs_ray:
-            from serve_app.kv.tiers.ray_stores import ClusterStore, HostStore, connect
-
-            node_id = connect(config.ray_address, config.node_id)
-            if config.host_bytes is not None:
-                self.stores.append(HostStore(node_id, int(config.host_bytes)))
-            cluster = ClusterStore(node_id) if config.cluster else None
-        else:
-            cluster = None
-        if config.disk_path is not None:
-            self.stores.append(DiskStore(Path(config.disk_path), int(config.disk_bytes)))
-        self.sources = [*self.stores, *([cluster] if cluster is not None else [])]
+        self.stores, self.sources = _tiers(config)
         self.writes_dropped = 0
         self.load_failures = 0
         self._queued_bytes = 0
@@ -145,3 +135,20 @@ class TierChain:
         self._writes.put(None)
         self._writer.join(timeout=30)
         self._loaders.shutdown(wait=False, cancel_futures=False)
+
+
+def _tiers(config: KVTiersConfig) -> tuple[list[PageStore], list[PageSource]]:
+    stores: list[PageStore] = []
+    others: list[PageSource] = []
+    if config.needs_ray:
+        # Ray only where a tier needs it: an engine without these never connects to a cluster.
+        from serve_app.kv.tiers.ray_stores import ClusterStore, HostStore, connect
+
+        node_id = connect(config.ray_address, config.node_id)
+        if config.host_bytes is not None:
+            stores.append(HostStore(node_id, int(config.host_bytes)))
+        if config.cluster:
+            others.append(ClusterStore(node_id))
+    if config.disk_path is not None:
+        stores.append(DiskStore(Path(config.disk_path), int(config.disk_bytes)))
+    return stores, [*stores, *others]
