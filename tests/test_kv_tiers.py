@@ -177,3 +177,4 @@ def test_the_tiers_config_is_checked_where_it_is_given() -> None:
         EngineConfig.from_options(kv_cache="contiguous", kv_tiers={"disk_path": "/tmp/kv"})
     with pytest.raises(ValueError, match="host_bytes"):
         EngineConfig.from_options(kv_tiers={"host_bytes": "lots"})
+

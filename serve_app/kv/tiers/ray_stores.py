@@ -27,7 +27,13 @@ def connect(address: str | None, node_id: str | None) -> str:
     """Join the Ray cluster (the current connection, else `address`, else "auto"); the node whose host
     tier this engine uses (`node_id`, else the connection's own)."""
     if not ray.is_initialized():
-        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+        except ConnectionError as error:
+            raise ValueError(
+                "kv_tiers: host_bytes and cluster keep pages in a Ray cluster, and none was found "
+                f"({error}); start one (ray start --head), serve the engine with serve run, or use disk_path alone"
+            ) from error
     return node_id or ray.get_runtime_context().get_node_id()
 
 
