@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,14 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return resolve_model_path(DEFAULT_MODEL, default_cache_dir())
+
+
+@pytest.fixture(scope="module")
+def head_only(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
+    """A two-node cluster's folder on the head node only holding the model (its files linked from the prepared default's)."""
+    folder = tmp_path_factory.mktemp("head-only")
+    shutil.copytree(model_path, folder / "smollm2", copy_function=os.link)
+    return folder
 
 
 @pytest.fixture(scope="session")

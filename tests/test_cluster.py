@@ -15,7 +15,6 @@ from __future__ import annotations
 import filecmp
 import os
 import secrets
-import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -40,14 +39,6 @@ AUTOSCALED = {
     "ray_actor_options": {"num_cpus": 1},  # one replica per node
 }
 ENGINE_KWARGS = {"cache_tokens": 4096, "max_model_len": 1024}
-
-
-@pytest.fixture(scope="module")
-def head_only(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
-    """A folder on the head node holding the model (its files linked from the prepared default's)."""
-    folder = tmp_path_factory.mktemp("head-only")
-    shutil.copytree(model_path, folder / "smollm2", copy_function=os.link)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ greedy tokens the first one computed."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,13 +26,6 @@ TWO_REPLICAS = {
     # Any difference in load counts: a busy replica's prefix goes to the idle one.
     "request_router_config": router_config(balance_abs_threshold=0, balance_rel_threshold=1.0),
 }
-
-
-@pytest.fixture(scope="module")
-def head_only(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
-    folder = tmp_path_factory.mktemp("head-only")
-    shutil.copytree(model_path, folder / "smollm2", copy_function=os.link)
-    return folder
 
 
 @pytest.fixture(scope="module")
