@@ -132,6 +132,32 @@ class KVTiersConfig(_Strict):
         return self.host_bytes is not None or self.cluster
 
 
+class SpeculativeConfig(_Strict):
+    """Speculative decoding, as vLLM's `speculative_config` names it: each decode row proposes up to
+    `num_speculative_tokens` tokens, which one forward verifies (`serve_app.engine.speculation`)."""
+
+    method: Literal["ngram"] = Field(
+        description="ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the request's "
+        "last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its prompt and output",
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="tokens proposed per decode row at most")
+    prompt_lookup_min: int = Field(2, ge=1, description="the shortest n-gram matched")
+    prompt_lookup_max: int = Field(5, ge=1, description="the longest n-gram matched")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="steps with more decode rows than this propose nothing; None: no such bound (a step "
+        "proposes only tokens likely enough to be accepted to pay for their share of its time, fewer as it fills)",
+    )
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        return self
+
+
 # The engine's flat options (`InferenceEngine(**options)`, the app's `engine_kwargs`): name -> (section, field).
 FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "model": ("model", "name"),
@@ -161,6 +187,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "call_timeout_s": ("scheduler", "call_timeout_s"),
     "max_consecutive_failed_steps": ("scheduler", "max_consecutive_failed_steps"),
     "kv_tiers": ("tiers", ""),  # the whole section: {host_bytes: 4GiB, disk_path: ..., cluster: true}
+    "speculative_config": ("speculative", ""),  # the whole section: {method: ngram, num_speculative_tokens: 4}
 }
 
 
@@ -171,6 +198,7 @@ class EngineConfig(_Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     tiers: KVTiersConfig = Field(default_factory=KVTiersConfig)
+    speculative: SpeculativeConfig | None = None
 
     @model_validator(mode="after")
     def _check_batch_fits(self) -> EngineConfig:

@@ -60,12 +60,16 @@ def test_the_compiled_forward_gives_the_eager_logits(compiled: InferenceEngine) 
         ([BatchEntry(0, 0, 1)], [0]),  # one decode row
         ([BatchEntry(0, 0, 9)], [8]),  # a prefill chunk, its last row sampled
         ([BatchEntry(0, 4, 1), BatchEntry(1, 7, 1), BatchEntry(2, 0, 12)], [0, 1, 13]),  # decodes and a prefill
+        ([BatchEntry(0, 6, 5, verifies=True)], [0, 1, 2, 3, 4]),  # a decode and its proposals (speculative decoding)
+        ([BatchEntry(0, 9, 3, verifies=True), BatchEntry(1, 5, 1), BatchEntry(2, 0, 7)], [0, 1, 2, 3, 10]),
     ]
+    graphs = counters["stats"]["unique_graphs"]
     for seed, (entries, keep) in enumerate(steps):
         eager = _logits(runner.model, compiled, entries, keep, seed)
         ours = _logits(runner.model_forward, compiled, entries, keep, seed)
         assert ours.shape == eager.shape == (1, len(keep), runner.vocab_size)
         torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs  # the start-up's graphs cover every step
 
 
 def test_serving_batches_of_every_kind_recompiles_nothing(compiled: InferenceEngine) -> None:

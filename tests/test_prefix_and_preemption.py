@@ -1,4 +1,5 @@
-"""Prefix sharing through the engine, salts that never share, and preemption under memory pressure."""
+"""Prefix sharing through the engine, salts that never share, and a contiguous cache waiting for a slot
+(preemption under memory pressure: tests/test_speculation.py)."""
 
 from __future__ import annotations
 
@@ -54,22 +55,6 @@ def test_prompt_that_can_never_fit_is_rejected_at_submit(engine: InferenceEngine
     with pytest.raises(ValueError, match="prompt"):
         engine.submit(GenerateRequest(prompt=too_long, max_tokens=1))
     assert engine.get_stats()["waiting_queue"] == 0
-
-
-def test_preemption_completes_every_task_with_unpressured_output(model_path: Path, reference) -> None:
-    """A cache far too small for all running tasks: tasks are preempted, yet all finish with greedy output."""
-    eng = InferenceEngine(model=str(model_path), kv_cache="paged", page_size=16, cache_tokens=16 * 20, max_model_len=512)
-    try:
-        questions = ["anchors", "sails", "knots", "tides", "maps", "oars"]
-        prompts = [eng.tokenizer.encode(f"A short note about {q} for sailors who are learning:") for q in questions]
-        results = [eng.submit(_greedy(ids, max_tokens=48)) for ids in prompts]
-        for ids, result in zip(prompts, results):
-            assert result.wait(180).token_ids == reference.greedy(ids, 48)
-            assert result.finish_reason == "length"
-        wait_idle(eng.get_stats)
-        assert eng.get_stats()["preemptions"] > 0
-    finally:
-        eng.shutdown()
 
 
 def test_contiguous_cache_waits_for_a_free_slot(model_path: Path, reference) -> None:

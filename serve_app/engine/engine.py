@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +29,7 @@ from serve_app.engine.calls import (
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.request import GenerateRequest, GenerateResult, StreamDelta
 from serve_app.engine.scheduler import InferenceScheduler, SchedulerStats
+from serve_app.engine.speculation import SpeculationStats, Speculator
 from serve_app.engine.stopping import StopStringMatcher
 from serve_app.engine.task import Task
 from serve_app.engine.tier_loading import TierLoading
@@ -102,8 +104,10 @@ class InferenceEngine:
         chosen = self.config.model.tool_call_format
         self.tool_format: ToolFormat = self.tokenizer.tool_format if chosen == "auto" else chosen
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids)
+        speculative = self.config.speculative
         self.scheduler = InferenceScheduler(
-            self.runner, self.cache, self.config.scheduler, self.max_model_len, self.grammars
+            self.runner, self.cache, self.config.scheduler, self.max_model_len, self.grammars,
+            Speculator(speculative) if speculative is not None else None,
         )
         self._transfer = (
             KVTransfer(self.cache, self.runner.vocab_size)
@@ -118,11 +122,19 @@ class InferenceEngine:
     def _load(self) -> tuple[ModelRunner, KVCache]:
         runner = ModelRunner(self.config.model)
         scheduler = self.config.scheduler
-        activations = runner.activation_bytes(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+        activations = runner.activation_bytes(scheduler.max_num_batched_tokens, self._max_sampled_rows())
         cache = build_kv_cache(self.config.cache, runner.kv_shape, runner.max_model_len, runner.device, activations)
         if self.config.model.compile:
             runner.compile(cache.storage)
         return runner, cache
+
+    def _max_sampled_rows(self) -> int:
+        """The most rows one step samples: one per running task, and each proposal where speculating."""
+        rows = self.config.scheduler.max_num_seqs
+        speculative = self.config.speculative
+        if speculative is not None:
+            rows += min(rows, speculative.disable_by_batch_size or rows) * speculative.num_speculative_tokens
+        return min(rows, self.config.scheduler.max_num_batched_tokens)
 
     def _start_tiers(self) -> TierChain | None:
         """The KV tiers behind the page pool, when the config names any (it then has a paged cache)."""
@@ -389,7 +401,7 @@ class InferenceEngine:
     # -- state --------------------------------------------------------------------------------
     def get_stats(self) -> dict[str, int]:
         stats = self.scheduler.stats
-        return {**self._counters(stats), **self._tier_stats(stats)}
+        return {**self._counters(stats), **self._tier_stats(stats), **self._speculation_stats()}
 
     def _counters(self, stats: SchedulerStats) -> dict[str, int]:
         running, waiting = self.scheduler.counts()
@@ -410,6 +422,12 @@ class InferenceEngine:
             "lora_adapters_loaded": len(adapters.loaded()) if adapters is not None else 0,
             "lora_adapter_loads": adapters.loads if adapters is not None else 0,
         }
+
+    def _speculation_stats(self) -> dict[str, int]:
+        """Speculative decoding's counts (`SpeculationStats`), as `spec_decode_*`; zero when it is off."""
+        speculator = self.scheduler.speculator
+        stats = speculator.stats if speculator is not None else SpeculationStats()
+        return {f"spec_decode_{name}": value for name, value in asdict(stats).items()}
 
     def _tier_stats(self, stats: SchedulerStats) -> dict[str, int]:
         """Prefix-cache hits by tier (`prefix_cache_hit_tokens_pool`, `_host`, `_disk`, `_cluster`), and with

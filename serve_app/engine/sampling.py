@@ -2,7 +2,9 @@
 
 The pipeline runs penalties -> temperature -> top-k -> top-p -> min-p -> softmax -> multinomial
 on a batch of rows (one per sequence), each row with its own parameters. Rows with
-temperature 0 take the argmax of their (penalised) logits.
+temperature 0 take the argmax of their (penalised) logits. A sampled row that carries a proposed
+token (speculative decoding) draws by rejection sampling against it, which keeps the row's
+distribution exactly: the proposal with its probability, else a draw from the rest.
 """
 
 from __future__ import annotations
@@ -151,8 +153,11 @@ class SamplingPipeline:
             MinPStrategy(),
         ]
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Token ids [rows] for logits [rows, vocab]."""
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[int | None] | None = None
+    ) -> torch.Tensor:
+        """Token ids [rows] for logits [rows, vocab]; a row's `drafts` entry, where not None, is the token
+        proposed for it (the row's token equals it exactly when the proposal is accepted)."""
         if self.penalties.applies(batch):
             logits = self.penalties.apply(logits, batch)
         tokens = logits.argmax(dim=1)
@@ -174,19 +179,36 @@ class SamplingPipeline:
         for strategy in self.strategies:
             if strategy.applies(sub):
                 rows = strategy.apply(rows, sub)
-        tokens[index] = self._draw(rows.softmax(dim=1), sub.generators)
+        sub_drafts = [drafts[r] for r in sampled] if drafts is not None else [None] * len(sampled)
+        tokens[index] = self._draw(rows.softmax(dim=1), sub.generators, sub_drafts)
         return tokens
 
     @staticmethod
-    def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    def _draw(
+        probs: torch.Tensor, generators: Sequence[torch.Generator | None], drafts: Sequence[int | None]
+    ) -> torch.Tensor:
         out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-        shared = [row for row, g in enumerate(generators) if g is None]
+        shared = [row for row, g in enumerate(generators) if g is None and drafts[row] is None]
         if shared:
             out[shared] = torch.multinomial(probs[shared], 1)[:, 0]
-        for row, generator in enumerate(generators):
-            if generator is not None:
+        for row, (generator, draft) in enumerate(zip(generators, drafts)):
+            if draft is not None:
+                out[row] = verify_draft(probs[row], draft, generator)
+            elif generator is not None:
                 out[row] = torch.multinomial(probs[row], 1, generator=generator)[0]
         return out
+
+
+def verify_draft(probs: torch.Tensor, draft: int, generator: torch.Generator | None = None) -> int:
+    """Rejection sampling of a proposed token against `probs` [vocab], the proposal having come with
+    certainty (n-gram lookup): accept it with probability p(draft), else draw from p without it,
+    renormalised. The token returned is distributed exactly as `probs`."""
+    accept = probs[draft]
+    if float(torch.rand((), generator=generator, device=probs.device)) < float(accept):
+        return draft
+    residual = probs.clone()
+    residual[draft] = 0.0
+    return int(torch.multinomial(residual, 1, generator=generator)[0])
 
 
 def sample(

@@ -2,14 +2,15 @@
 
 Each step frees finished and cancelled tasks, makes room for every running decode (preempting
 the newest task by recompute when pages run out), admits waiting tasks while memory lasts,
-packs all decode tokens and prefill chunks into one batch, runs the model once, samples, and
-publishes each task's delta.
+packs all decode tokens (with their proposed tokens, under speculative decoding) and prefill
+chunks into one batch, runs the model once, samples, and publishes each task's delta.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,9 +21,10 @@ from typing import TypeVar
 import torch
 
 from serve_app.config import SchedulerConfig
+from serve_app.engine.emitting import TokenEmitter
 from serve_app.engine.grammar import GrammarCompiler
-from serve_app.engine.request import StreamDelta, TokenLogprob
-from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
+from serve_app.engine.request import StreamDelta
+from serve_app.engine.speculation import Speculator
 from serve_app.engine.task import Task, TaskState
 from serve_app.engine.tier_loading import TierLoading
 from serve_app.errors import EngineOverloadedError
@@ -51,14 +53,20 @@ class InferenceScheduler:
     """Owns the waiting queue and the running set; only its thread touches tasks and the cache."""
 
     def __init__(
-        self, runner: ModelRunner, cache: KVCache, config: SchedulerConfig, max_model_len: int, grammars: GrammarCompiler
+        self,
+        runner: ModelRunner,
+        cache: KVCache,
+        config: SchedulerConfig,
+        max_model_len: int,
+        grammars: GrammarCompiler,
+        speculator: Speculator | None = None,
     ) -> None:
         self.runner = runner
-        self.grammars = grammars
         self.cache = cache
         self.config = config
         self.max_model_len = max_model_len
-        self.sampler = SamplingPipeline()
+        self.emitter = TokenEmitter(grammars, runner.tokenizer.decode, max_model_len)
+        self.speculator = speculator
         self.stats = SchedulerStats()
         self.waiting: deque[Task] = deque()
         self.running: list[Task] = []
@@ -233,6 +241,7 @@ class InferenceScheduler:
             return
         self.stats.prefill_tokens += sum(e.num_new for e, t in zip(entries, tasks) if t.is_prefilling)
         lengths = [task.num_tokens for task in tasks]
+        started = time.perf_counter()
         try:
             self._run(entries, tasks)
         except Exception:
@@ -244,24 +253,28 @@ class InferenceScheduler:
                 logger.error("%d steps in a row failed every request: this engine reports itself unhealthy", self._failed_steps)
             return
         self._failed_steps = 0
+        if self.speculator is not None and all(entry.is_decode for entry in entries):
+            self.speculator.step_times.record(sum(entry.num_new for entry in entries), time.perf_counter() - started)
 
     def _run(self, entries: list[BatchEntry], tasks: list[Task]) -> None:
-        """One forward over `entries`, then sampling for the tasks at the end of their tokens."""
-        sample_rows, sampled, row = [], [], 0
+        """One forward over `entries`, then sampling for the tasks at the end of their tokens (a task with
+        proposals samples a row for each, and one more)."""
+        sample_rows, sampled, first_rows, row = [], [], [], 0
         for entry, task in zip(entries, tasks):
             row += entry.num_new
-            if entry.end == task.num_tokens:
-                sample_rows.append(row - 1)
+            if entry.end >= task.num_tokens:
+                first_rows.append(len(sample_rows))
+                sample_rows.extend(range(row - 1 - len(task.drafts), row))
                 sampled.append(task)
-        token_ids = [tok for entry, task in zip(entries, tasks) for tok in task.tokens[entry.start : entry.end]]
+        token_ids = [tok for entry, task in zip(entries, tasks) for tok in task.tokens[entry.start : entry.end] + task.drafts]
         slots = [task.adapter_slot for task in tasks]
         logits = self.runner.forward(ForwardBatch(entries, token_ids, sample_rows, slots), self.cache.view(entries))
         self.stats.steps += 1
         for entry, task in zip(entries, tasks):
-            task.num_computed = entry.end
+            task.num_computed = min(entry.end, task.num_tokens)
             self.cache.commit(task.task_id, task.tokens, task.num_computed)
         if sampled:
-            self._sample_and_publish(logits, sampled)
+            self._sample_and_publish(logits, sampled, first_rows)
 
     def _run_each(self, entries: list[BatchEntry], tasks: list[Task], lengths: list[int]) -> bool:
         """Run each entry alone; a task that fails alone ends with an error. True if any ran."""
@@ -279,51 +292,20 @@ class InferenceScheduler:
             self._failed_steps = 0
         return ran
 
-    def _sample_and_publish(self, logits: torch.Tensor, tasks: list[Task]) -> None:
-        batch = SamplingBatch.build(
-            [t.params for t in tasks],
-            logits.device,
-            generators=[t.generator for t in tasks],
-            prompt_ids=[t.tokens[: t.prompt_len] if t.params.has_penalties else () for t in tasks],
-            output_ids=[t.output_ids if t.params.has_penalties else () for t in tasks],
-        )
-        matchers = [t.matcher for t in tasks]
-        if any(m is not None for m in matchers):
-            forced = [t.guard.forced_token if t.guard is not None else None for t in tasks]
-            constrained = self.grammars.mask(logits, matchers, forced)
-        else:
-            constrained = logits
-        next_tokens = self.sampler(constrained, batch)
-        logprobs = self._logprobs(logits, next_tokens, tasks)
-        for task, token, logprob in zip(tasks, next_tokens.tolist(), logprobs):
-            delta = task.accept(int(token), self.max_model_len, logprob)
-            self.stats.total_tokens += 1
-            if delta.finish_reason is not None:
-                self._finish(task, delta)
+    def _sample_and_publish(self, logits: torch.Tensor, tasks: list[Task], first_rows: list[int]) -> None:
+        for task, emitted in zip(tasks, self.emitter.emit(logits, tasks, first_rows)):
+            self.stats.total_tokens += len(emitted.delta.token_ids)
+            if task.drafts:
+                assert self.speculator is not None and task.speculation is not None
+                self.speculator.record(task.speculation, len(task.drafts), emitted.accepted, len(emitted.delta.token_ids))
+                task.drafts = []
+                # The accepted proposals' k/v are the forward's; the rest is written over next step.
+                task.num_computed += emitted.accepted
+                self.cache.commit(task.task_id, task.tokens, task.num_computed)
+            if emitted.delta.finish_reason is not None:
+                self._finish(task, emitted.delta)
             else:
-                task.result.publish(delta)
-
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, tasks: list[Task]) -> list[TokenLogprob | None]:
-        """The model's log-probabilities (before any sampling transform) for tasks that asked for them."""
-        rows = [i for i, t in enumerate(tasks) if t.logprobs is not None]
-        out: list[TokenLogprob | None] = [None] * len(tasks)
-        if not rows:
-            return out
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        log_probs = torch.log_softmax(logits[index], dim=-1)
-        chosen = log_probs.gather(1, tokens[index][:, None])[:, 0].tolist()
-        top_k = max(tasks[i].logprobs or 0 for i in rows)
-        top_values, top_ids = log_probs.topk(top_k, dim=-1) if top_k else (None, None)
-        decode = self.runner.tokenizer.decode
-        for j, i in enumerate(rows):
-            token = int(tokens[i])
-            count = tasks[i].logprobs or 0
-            top = ()
-            if count:
-                ids, values = top_ids[j, :count].tolist(), top_values[j, :count].tolist()
-                top = tuple((t, decode([t]), v) for t, v in zip(ids, values))
-            out[i] = TokenLogprob(token, decode([token]), chosen[j], top)
-        return out
+                task.result.publish(emitted.delta)
 
     # -- memory -----------------------------------------------------------------------------
     def _make_room_for_decodes(self) -> None:
@@ -378,18 +360,42 @@ class InferenceScheduler:
                 task.result.set_cached_tokens(cached)
 
     def _build_batch(self) -> tuple[list[BatchEntry], list[Task]]:
-        """Every decode token, then prefill chunks while the token budget lasts; one-token entries first."""
+        """Every decode token (and its proposals, where speculating), then prefill chunks while the token
+        budget lasts; decode rows first."""
         budget = self.config.max_num_batched_tokens
+        for task in self.running:
+            task.drafts = []
+        decodes = [task for task in self.running if not task.is_prefilling]
+        if self.speculator is not None and decodes and self.speculator.proposes_at(len(decodes)):
+            self._propose(decodes, budget - len(decodes))
         scheduled: list[tuple[BatchEntry, Task]] = []
         for task in sorted(self.running, key=lambda t: t.is_prefilling):
             chunk = min(task.num_tokens - task.num_computed, budget)
             if chunk <= 0:
                 break
-            budget -= chunk
-            scheduled.append((BatchEntry(task.task_id, task.num_computed, chunk), task))
-        # One-token entries first, longest context first, so the attention can group similar lengths.
-        scheduled.sort(key=lambda pair: (pair[0].num_new != 1, -pair[0].end))
+            budget -= chunk + len(task.drafts)
+            scheduled.append((BatchEntry(task.task_id, task.num_computed, chunk + len(task.drafts), bool(task.drafts)), task))
+        # Decode rows first, longest context first, so the attention can group similar lengths.
+        scheduled.sort(key=lambda pair: (not pair[0].is_decode, -pair[0].end))
         return [entry for entry, _ in scheduled], [task for _, task in scheduled]
+
+    def _propose(self, decodes: list[Task], spare: int) -> None:
+        """Set the decodes' `drafts`: the proposals found for each that the step keeps, `spare` tokens at most,
+        within each task's `max_tokens` and context, where the cache can hold them."""
+        assert self.speculator is not None
+        found = []
+        for task in decodes:
+            room = min(
+                task.max_tokens - task.num_output - 1,  # the row's own token comes on top of them
+                self.max_model_len - task.num_tokens,
+                self.cache.max_task_tokens - task.num_tokens,
+            )
+            task.speculation, tokens = self.speculator.find(task.speculation, task.tokens, room)
+            found.append(tokens)
+        kept = self.speculator.keep(len(decodes), [(t.speculation, len(f)) for t, f in zip(decodes, found)], spare)
+        for task, tokens, count in zip(decodes, found, kept):
+            if count and self.cache.grow(task.task_id, task.num_tokens + count):
+                task.drafts = tokens[:count]
 
     # -- endings ----------------------------------------------------------------------------
     def _cancel(self, task_ids: set[int]) -> None:

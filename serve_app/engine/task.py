@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +16,7 @@ from serve_app.engine.request import (
     TokenLogprob,
 )
 from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.speculation import TaskSpeculation
 from serve_app.engine.stopping import StopStringMatcher
 
 from serve_app.kv.tiers.pages import LoadedPages
@@ -58,6 +59,8 @@ class Task:
     admitted_once: bool = False
     tiers_asked: bool = False  # the KV tiers were asked for its prompt's pages since it last waited
     loaded: LoadedPages | None = None  # pages the tiers gave it, until it is admitted
+    drafts: list[int] = field(default_factory=list)  # tokens proposed for this step, verified after its forward
+    speculation: TaskSpeculation | None = None  # its n-grams and how its proposals fared, once it has proposed
 
     @property
     def num_tokens(self) -> int:

@@ -47,6 +47,22 @@ class _EngineStateCollector:
             yield CounterMetricFamily("serve_app_kv_tier_corrupt_pages", "Disk page files found corrupt (recomputed).",
                                       value=s.get("kv_tier_disk_corrupt_pages", 0))
         yield CounterMetricFamily("serve_app_preemptions", "Requests preempted by recompute.", value=s.get("preemptions", 0))
+        yield from _speculation_metrics(s)
+
+
+def _speculation_metrics(s: dict[str, int]) -> Iterator[Metric]:
+    """Speculative decoding's counters (as vLLM's `spec_decode_*`) and its acceptance rate since start."""
+    counts = {
+        "num_drafts": ("drafts", "Decode rows verified with proposed tokens."),
+        "num_draft_tokens": ("draft_tokens", "Tokens proposed."),
+        "num_accepted_tokens": ("accepted_tokens", "Proposed tokens accepted."),
+        "num_emitted_tokens": ("emitted_tokens", "Tokens the verified rows emitted: accepted ones plus one each."),
+    }
+    for name, (stat, help_text) in counts.items():
+        yield CounterMetricFamily(f"serve_app_spec_decode_{name}", help_text, value=s.get(f"spec_decode_{stat}", 0))
+    proposed = s.get("spec_decode_draft_tokens", 0)
+    rate = s.get("spec_decode_accepted_tokens", 0) / proposed if proposed else 0.0
+    yield GaugeMetricFamily("serve_app_spec_decode_acceptance_rate", "Proposed tokens accepted, as a share.", value=rate)
 
 
 class ServerMetrics(RequestObserver):

@@ -12,23 +12,34 @@ from serve_app.kv.storage import Storage
 
 @dataclass(frozen=True)
 class BatchEntry:
-    """One task's share of a forward: `num_new` tokens at positions `start .. start + num_new - 1`."""
+    """One task's share of a forward: `num_new` tokens at positions `start .. start + num_new - 1`.
+
+    `verifies`: a decode token followed by proposed tokens (speculative decoding); each of its
+    tokens attends as a decode row of its own, over the context up to and including it.
+    """
 
     task_id: int
     start: int
     num_new: int
+    verifies: bool = False
 
     @property
     def end(self) -> int:
         return self.start + self.num_new
 
+    @property
+    def is_decode(self) -> bool:
+        """Its tokens are decode rows: one new token, or a decode token and its proposals."""
+        return self.num_new == 1 or self.verifies
+
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """The step's decode rows (the first `num_seqs` rows of the batch), one new token each.
+    """The step's decode rows (the first `num_seqs` rows of the batch), one query token each.
 
-    `page_tables` [S, max_pages] lists each sequence's storage pages in order (padded with
-    page 0); `context_lens` [S] is how many tokens each one attends to, its new token included.
+    `page_tables` [S, max_pages] lists each row's storage pages in order (padded with page 0);
+    `context_lens` [S] is how many tokens each one attends to, its own token included. A verifying
+    entry gives several rows of the same sequence, their contexts one token longer each.
     """
 
     num_seqs: int
@@ -58,7 +69,7 @@ class AttentionGroup:
 class KVCacheView:
     """Where one step writes its new k/v, and what each row attends to.
 
-    Decode rows (one new token each) come first and are described once, by `decode`: a paged
+    Decode rows (one query token each) come first and are described once, by `decode`: a paged
     kernel reads their context in place. For the torch path, `decode_groups` splits them into
     groups of similar context length, so that little padding is gathered and attended over.
     Each prefill chunk is a group of its own. Gathers go into buffers allocated once per step
@@ -77,14 +88,15 @@ class KVCacheView:
             dtype=torch.long,
             device=storage.device,
         )
-        num_decode = sum(1 for entry in entries if entry.num_new == 1)
-        if any(entry.num_new != 1 for entry in entries[:num_decode]):
+        num_decode = sum(1 for entry in entries if entry.is_decode)
+        if not all(entry.is_decode for entry in entries[:num_decode]):
             raise ValueError("decode entries must come first in the batch")
-        self._decode_lengths = [entry.end for entry in entries[:num_decode]]
-        self.decode = self._decode_rows(page_tables[:num_decode]) if num_decode else None
+        decodes = list(zip(entries[:num_decode], page_tables[:num_decode]))
+        self._decode_lengths = [pos + 1 for entry, _ in decodes for pos in range(entry.start, entry.end)]
+        self.decode = self._decode_rows([table for entry, table in decodes for _ in range(entry.num_new)]) if decodes else None
         self._decode_groups: list[AttentionGroup] | None = None
         self.prefill_groups: list[AttentionGroup] = []
-        row = num_decode
+        row = len(self._decode_lengths)
         for entry, table in zip(entries[num_decode:], page_tables[num_decode:]):
             self.prefill_groups.append(self._prefill_group(row, entry, table))
             row += entry.num_new
@@ -170,7 +182,8 @@ class KVCacheView:
 
 
 def _length_buckets(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    """Split consecutive context lengths (longest first) into runs whose shortest is at least half the longest."""
+    """Split consecutive context lengths (longest first, but for a verifying entry's few rising ones) into runs
+    whose later lengths are at least half the first's."""
     buckets: list[tuple[int, int]] = []
     start = 0
     for index in range(1, len(lengths) + 1):

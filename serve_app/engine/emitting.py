@@ -1,0 +1,97 @@
+"""TokenEmitter: a step's logits in, each sampled task's new tokens accepted and its delta out.
+
+A task samples one row, or, where it verified proposed tokens, one row per position: row j holds
+the model's distribution after the task's tokens and the first j proposals. Positions run in
+order, all tasks at once: at each, the rows are masked by their grammars (in the state the tokens
+accepted so far left), sampled (a proposal by rejection sampling), and accepted one token per task,
+with stop strings, `max_tokens` and logprobs exactly as one token per step would. A task goes on to
+the next position only while the model agreed with its proposal, so the tokens emitted are those
+decoding one at a time would give (greedy: identical; sampled: the same distribution).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from serve_app.engine.grammar import GrammarCompiler
+from serve_app.engine.request import StreamDelta, TokenLogprob, merge_deltas
+from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
+from serve_app.engine.task import Task
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """One task's outcome of a step: its new tokens as one delta (ending it, if it has a finish reason),
+    and how many of its proposals it accepted."""
+
+    delta: StreamDelta
+    accepted: int
+
+
+class TokenEmitter:
+    def __init__(self, grammars: GrammarCompiler, decode: Callable[[list[int]], str], max_model_len: int) -> None:
+        self.grammars = grammars
+        self.decode = decode
+        self.max_model_len = max_model_len
+        self.sampler = SamplingPipeline()
+
+    def emit(self, logits: torch.Tensor, tasks: Sequence[Task], first_rows: Sequence[int]) -> list[Emitted]:
+        """`logits` [rows, vocab]; task i's rows start at `first_rows[i]`, one more than its `drafts`."""
+        deltas: list[list[StreamDelta]] = [[] for _ in tasks]
+        accepted = [0] * len(tasks)
+        live = list(range(len(tasks)))
+        position = 0
+        while live:
+            group = [tasks[i] for i in live]
+            rows = logits[torch.tensor([first_rows[i] + position for i in live], device=logits.device)]
+            drafts = [t.drafts[position] if position < len(t.drafts) else None for t in group]
+            tokens = self._sample(rows, group, drafts)
+            logprobs = self._logprobs(rows, tokens, group)
+            going_on = []
+            for i, task, token, logprob, draft in zip(live, group, tokens.tolist(), logprobs, drafts):
+                delta = task.accept(int(token), self.max_model_len, logprob)
+                deltas[i].append(delta)
+                agreed = draft is not None and token == draft
+                accepted[i] += agreed
+                if agreed and delta.finish_reason is None:
+                    going_on.append(i)
+            live, position = going_on, position + 1
+        return [Emitted(merge_deltas(d), a) for d, a in zip(deltas, accepted)]
+
+    def _sample(self, rows: torch.Tensor, tasks: list[Task], drafts: list[int | None]) -> torch.Tensor:
+        batch = SamplingBatch.build(
+            [t.params for t in tasks],
+            rows.device,
+            generators=[t.generator for t in tasks],
+            prompt_ids=[t.tokens[: t.prompt_len] if t.params.has_penalties else () for t in tasks],
+            output_ids=[t.output_ids if t.params.has_penalties else () for t in tasks],
+        )
+        matchers = [t.matcher for t in tasks]
+        if any(m is not None for m in matchers):
+            forced = [t.guard.forced_token if t.guard is not None else None for t in tasks]
+            rows = self.grammars.mask(rows, matchers, forced)
+        return self.sampler(rows, batch, drafts if any(d is not None for d in drafts) else None)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, tasks: list[Task]) -> list[TokenLogprob | None]:
+        """The model's log-probabilities (before any sampling transform) for tasks that asked for them."""
+        rows = [i for i, t in enumerate(tasks) if t.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(tasks)
+        if not rows:
+            return out
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        log_probs = torch.log_softmax(logits[index], dim=-1)
+        chosen = log_probs.gather(1, tokens[index][:, None])[:, 0].tolist()
+        top_k = max(tasks[i].logprobs or 0 for i in rows)
+        top_values, top_ids = log_probs.topk(top_k, dim=-1) if top_k else (None, None)
+        for j, i in enumerate(rows):
+            token = int(tokens[i])
+            count = tasks[i].logprobs or 0
+            top = ()
+            if count:
+                ids, values = top_ids[j, :count].tolist(), top_values[j, :count].tolist()
+                top = tuple((t, self.decode([t]), v) for t, v in zip(ids, values))
+            out[i] = TokenLogprob(token, self.decode([token]), chosen[j], top)
+        return out
