@@ -49,6 +49,12 @@ def _bench_prefix(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_spec(args: argparse.Namespace) -> None:
+    from serve_app.bench.spec_bench import main
+
+    main(args)
+
+
 def _bench_soak(args: argparse.Namespace) -> None:
     from serve_app.bench.soak import main
 
@@ -191,6 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--max-tokens", type=int, default=16)
     tiers.add_argument("--json", default=None)
     tiers.set_defaults(func=_bench_tiers)
+
+    spec = bench.add_parser("spec", help="n-gram speculative decoding against none, side by side: one client on "
+                            "input-grounded chats, then many on the standard chat prompts")
+    spec.add_argument("--model", default=DEFAULT_MODEL)
+    spec.add_argument("--grounded-prompts", type=int, default=16, help="chats that copy, quote or edit their input")
+    spec.add_argument("--grounded-max-tokens", type=int, default=128)
+    spec.add_argument("--chat-prompts", type=int, default=128)
+    spec.add_argument("--chat-max-tokens", type=int, default=64)
+    spec.add_argument("--clients", type=int, default=64, help="concurrency on the standard chat prompts")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4)
+    spec.add_argument("--prompt-lookup-min", type=int, default=2)
+    spec.add_argument("--prompt-lookup-max", type=int, default=5)
+    spec.add_argument("--json", default=None)
+    spec.set_defaults(func=_bench_spec)
 
     soak = bench.add_parser("soak", help="many streaming clients (some hanging up, some malformed) against serve run")
     soak.add_argument("--clients", type=int, default=48)

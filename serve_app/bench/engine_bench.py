@@ -26,9 +26,11 @@ class _Clock:
     tokens: int = 0
 
     def on_delta(self, delta: StreamDelta) -> None:
-        if delta.token_ids:
-            self.stamps.append(time.perf_counter())
-            self.tokens += len(delta.token_ids)
+        """One stamp per token: a delta of several (speculative decoding) gives them all its time, so that the
+        mean gap is the time per output token."""
+        now = time.perf_counter()
+        self.stamps.extend([now] * len(delta.token_ids))
+        self.tokens += len(delta.token_ids)
 
     def timing(self) -> RequestTiming:
         ttft = self.stamps[0] - self.start if self.stamps else 0.0
@@ -45,6 +47,7 @@ def run_engine_bench(
     return_tokens: bool = False,
     options: dict[str, Any] | None = None,
     options_of: Callable[[int], dict[str, Any]] | None = None,
+    ignore_eos: bool = True,
 ):
     """Keep `concurrency` greedy requests in flight until every prompt has run; return the summary row.
 
@@ -62,7 +65,7 @@ def run_engine_bench(
         slots.acquire()
         own = options_of(len(results)) if options_of is not None else {}
         request = GenerateRequest(
-            prompt=pending.pop(), max_tokens=max_tokens, temperature=0, ignore_eos=True, **(options or {}), **own
+            prompt=pending.pop(), max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos, **(options or {}), **own
         )
         clock = _Clock(start=time.perf_counter())
         result = engine.submit(request)
