@@ -43,6 +43,7 @@ class CompletionClient:
         first: float | None = None
         last = start
         tokens = 0
+        arrivals: list[float] = []
         async with self._session.post(self._url, json=body) as response:
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
@@ -57,11 +58,13 @@ class CompletionClient:
                     last = time.perf_counter()
                     first = first or last
                     tokens += count
+                    arrivals.append(last)
         if first is None:
             return RequestTiming(ttft=0.0, gaps=(), output_tokens=0)
         # A chunk may carry several tokens: spread the stream's duration over them.
         gaps = ((last - first) / max(1, tokens - 1),) * max(0, tokens - 1)
-        return RequestTiming(ttft=first - start, gaps=gaps, output_tokens=tokens)
+        chunk_gaps = tuple(b - a for a, b in zip(arrivals, arrivals[1:]))
+        return RequestTiming(ttft=first - start, gaps=gaps, output_tokens=tokens, chunk_gaps=chunk_gaps)
 
     def _body(self, model: str, prompt: str | list[int], max_tokens: int) -> dict:
         if self._api == "llama.cpp":

@@ -22,6 +22,7 @@ import psutil
 
 from serve_app.bench.client import CompletionClient
 from serve_app.bench.servers import ServeRun
+from serve_app.bench.stats import percentile
 
 MODEL = "smollm2-135m-instruct"
 
@@ -99,13 +100,15 @@ def _processes(server: ServeRun) -> list[psutil.Process]:
     return [root, *root.children(recursive=True), psutil.Process()]  # the load generator last
 
 
-async def _one_client(url: str, requests: int, max_tokens: int) -> int:
+async def _one_client(url: str, requests: int, max_tokens: int) -> tuple[int, list[float]]:
+    """Tokens generated, and the gaps between the stream's chunks as the client saw them."""
     async with CompletionClient(url) as client:
-        tokens = 0
+        tokens, gaps = 0, []
         for index in range(requests):
             timing = await client.stream(MODEL, f"Tell me about topic number {index}.", max_tokens)
             tokens += timing.output_tokens
-        return tokens
+            gaps.extend(timing.chunk_gaps)
+        return tokens, gaps
 
 
 def main(args: argparse.Namespace) -> None:
@@ -116,18 +119,21 @@ def main(args: argparse.Namespace) -> None:
             processes = _processes(server)
             before = sample(processes)
             start = time.perf_counter()
-            tokens = asyncio.run(_one_client(server.url, args.requests, args.max_tokens))
+            tokens, gaps = asyncio.run(_one_client(server.url, args.requests, args.max_tokens))
             wall = time.perf_counter() - start
             rows = costs(before, sample(processes), tokens)
         finally:
             server.stop()
     others = sum(row.cpu_ms_per_token for row in rows if row.role != "engine process")
-    print(f"{tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s, {wall / tokens * 1e3:.1f} ms a token")
+    itl = {"itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3, "chunks": len(gaps) + args.requests}
+    print(f"{tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s, {wall / tokens * 1e3:.1f} ms a token; "
+          f"{itl['chunks']} stream chunks, gaps between them p50 {itl['itl_p50_ms']:.1f} ms, p99 {itl['itl_p99_ms']:.1f} ms")
     print(f"{'CPU ms/token':>12} {'switches/token':>14}  process")
     for row in rows:
         if row.cpu_ms_per_token >= 0.05:
             print(f"{row.cpu_ms_per_token:12.2f} {row.switches_per_token:14.1f}  {row.role} ({row.pid})")
     print(f"every process but the engine's: {others:.1f} ms of CPU a token")
     if args.json:
-        report = {"tokens": tokens, "wall_s": wall, "others_cpu_ms_per_token": others, "processes": [asdict(r) for r in rows]}
+        report = {"tokens": tokens, "wall_s": wall, "others_cpu_ms_per_token": others, **itl,
+                  "processes": [asdict(r) for r in rows]}
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -25,11 +25,13 @@ def peak_rss_mb() -> float:
 
 @dataclass(frozen=True)
 class RequestTiming:
-    """One request: seconds to its first token, gaps between later tokens, and tokens produced."""
+    """One request: seconds to its first token, gaps between later tokens, and tokens produced; over HTTP
+    also the gaps between the stream's chunks as they arrived (a chunk may carry several tokens)."""
 
     ttft: float
     gaps: tuple[float, ...]
     output_tokens: int
+    chunk_gaps: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
