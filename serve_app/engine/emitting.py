@@ -46,7 +46,9 @@ class TokenEmitter:
         position = 0
         while live:
             group = [tasks[i] for i in live]
-            rows = logits[torch.tensor([first_rows[i] + position for i in live], device=logits.device)]
+            index = [first_rows[i] + position for i in live]
+            # Without proposals the rows are the logits as they are: no copy of [rows, vocab].
+            rows = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=logits.device)]
             drafts = [t.drafts[position] if position < len(t.drafts) else None for t in group]
             tokens = self._sample(rows, group, drafts)
             logprobs = self._logprobs(rows, tokens, group)
