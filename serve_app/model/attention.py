@@ -2,7 +2,7 @@
 
 The step's `KVCacheView` (and the decode kernel) reach the attention through `step_context`, not
 through the model's arguments, and the attention itself is a custom op (`serve_app::paged_attention`)
-on tensors only: `torch.compile` then traces the whole model as one graph with the attention an
+on tensors only: `torch.compile` then traces a decoder layer as one graph with the attention an
 opaque call inside it, as vLLM treats its attention op.
 
 Of the attention variants transformers' model families pass to an attention function, a sliding
@@ -64,18 +64,29 @@ def kv_cache_attention(
         raise ValueError("this attention has no logit softcapping and no attention sinks")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     queries, keys, values = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim]
-    attend = torch.ops.serve_app.paged_attention if torch.compiler.is_compiling() else paged_attention_step
-    return attend(queries, keys, values, module.layer_idx, scale).unsqueeze(0), None
+    if torch.compiler.is_compiling():
+        # The layer's number as a tensor (`compiled.compile_layers` gives each attention one), so that
+        # every decoder layer runs the same compiled graph.
+        layer = getattr(module, LAYER_INDEX)
+        return torch.ops.serve_app.paged_attention(queries, keys, values, layer, scale).unsqueeze(0), None
+    return paged_attention_step(queries, keys, values, module.layer_idx, scale).unsqueeze(0), None
+
+
+# The buffer holding an attention module's layer number, for the compiled graph.
+LAYER_INDEX = "serve_app_layer_index"
 
 
 @torch.library.custom_op("serve_app::paged_attention", mutates_args=())
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    """The op `torch.compile` sees: the current step's attention of one layer (see `paged_attention_step`)."""
-    return paged_attention_step(query, key, value, layer, scale)
+def paged_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The op `torch.compile` sees: the current step's attention of layer `layer` (a 0-d tensor; see
+    `paged_attention_step`)."""
+    return paged_attention_step(query, key, value, int(layer), scale)
 
 
 @paged_attention.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.empty_like(query)
 
 

@@ -5,19 +5,17 @@ Each targeted linear layer of the decoder (`LoRALinear`) holds every adapter slo
 (zero-padded to the largest rank, the adapter's scale folded into `B`). A step says which rows
 belong to which slot (`lora_rows`); each slot's rows get `x A^T B^T` added to the base layer's output,
 all the step's adapters in two batched products (their rows grouped per adapter, padded to the largest
-group). Under `torch.compile` the delta is an opaque op (`serve_app::lora_delta`) that reads the step's
-rows and the slots' weights when it runs, so one graph serves every mix of adapters and an adapter
-loaded after compiling. `AdapterSlots` loads adapters into slots on first use, keeps the most recently
+group). Under `torch.compile` the delta is an opaque op (`serve_app::lora_delta`) on the slots' weights that
+reads the step's rows when it runs, so one graph serves every layer, every mix of adapters and an
+adapter loaded after compiling. `AdapterSlots` loads adapters into slots on first use, keeps the most recently
 used, and never evicts one that a running request holds.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -77,22 +75,28 @@ def lora_rows(rows: AdapterRows | None) -> Iterator[None]:
         _step.rows = None
 
 
-# Every LoRA layer by its id, for the compiled graph's op to find (its weights are no graph constant).
-_LAYERS: weakref.WeakValueDictionary[int, LoRALinear] = weakref.WeakValueDictionary()
-_layer_ids = itertools.count()
-
-
 @torch.library.custom_op("serve_app::lora_delta", mutates_args=("out",))
-def lora_delta(x: torch.Tensor, out: torch.Tensor, layer: int) -> None:
-    """The op `torch.compile` sees: add the current step's adapter deltas of LoRA layer `layer` to `out`."""
+def lora_delta(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+    """The op `torch.compile` sees: add to `out` the current step's deltas of the adapters in `lora_a`/`lora_b`."""
     rows = _step.rows
     if rows is not None:
-        _LAYERS[layer].add_deltas(x, out, rows)
+        add_deltas(x, out, lora_a, lora_b, rows)
 
 
 @lora_delta.register_fake
-def _(x: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+def _(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
     return None
+
+
+def add_deltas(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: AdapterRows) -> None:
+    """Add to `y` (a layer's base output for `x`, in place) each adapter row's low-rank delta: `lora_a`
+    [slots, rank, in] and `lora_b` [slots, out, rank] hold every slot's adapter."""
+    rows_in, rows_out = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+    groups = rows_in.index_select(0, rows.gather).view(len(rows.slots), rows.longest, -1).to(lora_a.dtype)
+    hidden = torch.bmm(groups, lora_a.index_select(0, rows.slots).transpose(1, 2))
+    delta = torch.bmm(hidden, lora_b.index_select(0, rows.slots).transpose(1, 2))
+    delta = delta.reshape(-1, lora_b.shape[1]).index_select(0, rows.valid)
+    rows_out.index_add_(0, rows.rows, delta.to(rows_out.dtype))
 
 
 class LoRALinear(torch.nn.Module):
@@ -101,8 +105,6 @@ class LoRALinear(torch.nn.Module):
     def __init__(self, base: torch.nn.Module, slots: int, max_rank: int) -> None:
         super().__init__()
         self.base = base
-        self.layer_id = next(_layer_ids)
-        _LAYERS[self.layer_id] = self
         self.in_features, self.out_features = int(base.in_features), int(base.out_features)
         weight = getattr(base, "weight", None)
         dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
@@ -113,19 +115,10 @@ class LoRALinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if torch.compiler.is_compiling():
-            torch.ops.serve_app.lora_delta(x, y, self.layer_id)
+            torch.ops.serve_app.lora_delta(x, y, self.lora_a, self.lora_b)
         elif _step.rows is not None:
-            self.add_deltas(x, y, _step.rows)
+            add_deltas(x, y, self.lora_a, self.lora_b, _step.rows)
         return y
-
-    def add_deltas(self, x: torch.Tensor, y: torch.Tensor, rows: AdapterRows) -> None:
-        """Add to `y` (this layer's base output for `x`, in place) each adapter row's low-rank delta."""
-        rows_in, rows_out = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        groups = rows_in.index_select(0, rows.gather).view(len(rows.slots), rows.longest, -1).to(self.lora_a.dtype)
-        hidden = torch.bmm(groups, self.lora_a.index_select(0, rows.slots).transpose(1, 2))
-        delta = torch.bmm(hidden, self.lora_b.index_select(0, rows.slots).transpose(1, 2))
-        delta = delta.reshape(-1, self.out_features).index_select(0, rows.valid)
-        rows_out.index_add_(0, rows.rows, delta.to(rows_out.dtype))
 
     def load(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Write an adapter's `A` [r, in] and scaled `B` [out, r] into `slot` (zero past its rank)."""

@@ -27,32 +27,36 @@ from serve_app.model.int8_gemv import Int8Gemv, RowWeights
 
 INT8_MAX = 127.0
 
-_PACKED: dict[int, tuple[torch.ScriptObject, int]] = {}  # weight id -> (prepacked weight, out features)
+_PACKED: dict[int, torch.ScriptObject] = {}  # weight id -> prepacked weight
 _ROWS: dict[int, tuple[Int8Gemv, RowWeights]] = {}  # weight id -> (one-row kernel, its weights)
 _ids = itertools.count()
 
 
+# The ops take the weight's id as a 0-d tensor (each layer's `weight_index` buffer), so that every decoder
+# layer runs the same compiled graph; the output width is a plain int, the same at one place in every layer.
+
+
 @torch.library.custom_op("serve_app::int8_linear", mutates_args=())
-def int8_linear(rows: torch.Tensor, weight_id: int) -> torch.Tensor:
+def int8_linear(rows: torch.Tensor, weight_id: torch.Tensor, out_features: int) -> torch.Tensor:
     """`rows` [M, in] (fp32) times the prepacked int8 weight `weight_id`: [M, out] in fp32."""
-    return torch.ops.quantized.linear_dynamic(rows, _PACKED[weight_id][0], False)  # the full 8 bits
+    return torch.ops.quantized.linear_dynamic(rows, _PACKED[int(weight_id)], False)  # the full 8 bits
 
 
 @int8_linear.register_fake
-def _(rows: torch.Tensor, weight_id: int) -> torch.Tensor:
-    return rows.new_empty(rows.shape[0], _PACKED[weight_id][1])
+def _(rows: torch.Tensor, weight_id: torch.Tensor, out_features: int) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], out_features)
 
 
 @torch.library.custom_op("serve_app::int8_gemv", mutates_args=())
-def int8_gemv(row: torch.Tensor, weight_id: int) -> torch.Tensor:
+def int8_gemv(row: torch.Tensor, weight_id: torch.Tensor, out_features: int) -> torch.Tensor:
     """`row` [1, in] (fp32) times the int8 weight `weight_id` on the one-row kernel: [1, out] in fp32."""
-    kernel, weights = _ROWS[weight_id]
+    kernel, weights = _ROWS[int(weight_id)]
     return kernel(row, weights)
 
 
 @int8_gemv.register_fake
-def _(row: torch.Tensor, weight_id: int) -> torch.Tensor:
-    return row.new_empty(1, _ROWS[weight_id][1].weight.shape[0])
+def _(row: torch.Tensor, weight_id: torch.Tensor, out_features: int) -> torch.Tensor:
+    return row.new_empty(1, out_features)
 
 
 class Int8Linear(torch.nn.Module):
@@ -66,7 +70,8 @@ class Int8Linear(torch.nn.Module):
             warnings.simplefilter("ignore", UserWarning)
             quantized = torch.quantize_per_channel(weight, scale.double(), zero_points, 0, torch.qint8)
         self.weight_id = next(_ids)
-        _PACKED[self.weight_id] = (torch.ops.quantized.linear_prepack(quantized, None), self.out_features)
+        self.register_buffer("weight_index", torch.tensor(self.weight_id), persistent=False)
+        _PACKED[self.weight_id] = torch.ops.quantized.linear_prepack(quantized, None)
         weakref.finalize(self, _PACKED.pop, self.weight_id, None)
         self.one_row_kernel = gemv is not None
         if gemv is not None:
@@ -77,10 +82,10 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         if rows.shape[0] == 1 and self.one_row_kernel:
-            out = int8_gemv(rows, self.weight_id)
+            out = int8_gemv(rows, self.weight_index, self.out_features)
         else:
             scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / INT8_MAX
-            out = int8_linear(rows / scale, self.weight_id).mul_(scale)
+            out = int8_linear(rows / scale, self.weight_index, self.out_features).mul_(scale)
         if self.bias is not None:
             out.add_(self.bias)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
