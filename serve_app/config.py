@@ -53,7 +53,9 @@ class ModelConfig(_Strict):
         "llama3_json for Llama 3.1+, generic for templates that ignore tools)",
     )
     compile: bool = Field(
-        False, description="torch.compile the forward (inductor, dynamic token counts), compiled and warmed up at start"
+        True,
+        description="torch.compile the forward (inductor, dynamic token counts) at start, its artifacts cached on disk "
+        "under cache_dir/compile (a second start loads them); where it cannot be built, eager with a warning",
     )
     quantization: Quantization = Field(
         "none",

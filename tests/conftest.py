@@ -65,7 +65,7 @@ def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory, model_path: Path) 
 @pytest.fixture(scope="module")
 def engine(model_path: Path) -> Iterator[InferenceEngine]:
     """The default model on a paged cache with 16-token pages."""
-    eng = InferenceEngine(model=str(model_path), kv_cache="paged", page_size=16, cache_tokens=8192, max_model_len=2048)
+    eng = InferenceEngine(compile=False, model=str(model_path), kv_cache="paged", page_size=16, cache_tokens=8192, max_model_len=2048)
     yield eng
     eng.shutdown()
 

@@ -62,7 +62,7 @@ def test_decode_ceiling() -> None:
 
 
 def test_engine_bench_counts_every_token(tiny_llama_path: Path) -> None:
-    engine = InferenceEngine(model=str(tiny_llama_path), cache_tokens=4096)
+    engine = InferenceEngine(compile=False, model=str(tiny_llama_path), cache_tokens=4096)
     try:
         row, tokens = run_engine_bench(engine, make_prompts(6), 3, 5, return_tokens=True)
     finally:

@@ -1,10 +1,17 @@
-"""The compiled forward (`compile: true`) on a tiny Llama serving LoRA adapters, in fp32 and with int8 weights:
-compiled at start for every shape class of a step, the same logits as the eager forward, the adapters'
-tokens as transformers + peft gives them, and no recompile while it serves batches of every kind
-(decodes, prefill chunks, prefix hits, sampling, adapters mixed with the base model)."""
+"""The compiled forward (`compile: true`, the default) on a tiny Llama serving LoRA adapters, in fp32 and with
+int8 weights: compiled at start for every shape class of a step, the same logits as the eager forward, the
+adapters' tokens as transformers + peft gives them, no recompile while it serves batches of every kind
+(decodes, prefill chunks, prefix hits, sampling, adapters mixed with the base model), a second start in a
+fresh process loading every graph from torch's compile caches, and without a C++ compiler the eager
+forward after one warning. (The other tests' in-process engines run eager: this module holds the
+compiled forward to the eager one.)"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +20,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from serve_app import GenerateRequest, InferenceEngine
+from serve_app.bench.servers import ROOT
+from serve_app.config import EngineConfig
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import step_context
 from serve_app.model.compiled import WARM_UP_SHAPES
@@ -36,6 +45,8 @@ def compiled(
         max_num_seqs=8, quantization=request.param, lora_paths={name: str(path) for name, path in adapters.items()},
     )
     assert counters["stats"]["unique_graphs"] - graphs == len(WARM_UP_SHAPES)  # all compiled before serving
+    stats = engine.get_stats()
+    assert stats["compiled_forward"] == 1 and stats["compile_graphs_compiled"] == len(WARM_UP_SHAPES)
     yield engine
     engine.shutdown()
 
@@ -107,3 +118,36 @@ def test_the_compiled_forward_runs_each_rows_adapter_as_peft_does(
                     assert output == reference.greedy(prompt, 8), name
     base = [compiled.submit(GenerateRequest(prompt=p, max_tokens=8, temperature=0, ignore_eos=True)) for p in prompts]
     assert all(b.wait(300).token_ids != o for b, o, n in zip(base, outputs, chosen) if n is not None)
+
+
+PROMPT = [5, 17, 300, 41, 9, 9, 12]
+
+
+def _start_in_a_fresh_process(config: EngineConfig, env: dict[str, str] | None = None) -> tuple[dict, str]:
+    """`tests.engine_start` on `config`: its stats and 8 greedy tokens of PROMPT, and its stderr."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.engine_start", config.model_dump_json(), json.dumps(PROMPT)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+def test_a_second_start_loads_every_graph_from_the_compile_cache(compiled: InferenceEngine) -> None:
+    result = compiled.submit(GenerateRequest(prompt=PROMPT, max_tokens=8, temperature=0, ignore_eos=True))
+    tokens = list(result.wait(300).token_ids)
+    second, _ = _start_in_a_fresh_process(compiled.config)
+    assert second["stats"]["compiled_forward"] == 1
+    assert second["stats"]["compile_graphs_compiled"] == 0
+    assert second["stats"]["compile_graphs_loaded"] == len(WARM_UP_SHAPES)
+    assert second["tokens"] == tokens
+
+
+def test_without_a_cpp_compiler_the_engine_runs_eager_after_one_warning(tiny_llama_path: Path) -> None:
+    config = EngineConfig.from_options(model=str(tiny_llama_path), cache_tokens=1024, max_model_len=256)
+    assert config.model.compile  # the default
+    started, stderr = _start_in_a_fresh_process(config, env={"CXX": "/nonexistent/g++"})
+    warnings = [line for line in stderr.splitlines() if "running the eager forward" in line]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "Traceback" not in stderr, stderr
+    assert started["stats"]["compiled_forward"] == 0
+    assert started["tokens"] == ReferenceModel(tiny_llama_path).greedy(PROMPT, 8)

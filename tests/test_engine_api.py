@@ -193,7 +193,7 @@ def test_unknown_model_and_unknown_option_are_value_errors(tmp_path: Path) -> No
 
 
 def test_shutdown_cancels_unfinished_requests(tiny_llama_path: Path) -> None:
-    eng = InferenceEngine(model=str(tiny_llama_path), cache_tokens=2048)
+    eng = InferenceEngine(compile=False, model=str(tiny_llama_path), cache_tokens=2048)
     result = eng.submit(GenerateRequest(prompt="Go on forever", max_tokens=900, ignore_eos=True))
     while not result.token_ids:
         time.sleep(0.005)

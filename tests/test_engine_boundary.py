@@ -95,7 +95,7 @@ class ChildOverSockets:
 
 @pytest.fixture
 def engine(tiny_llama_path: Path) -> Iterator[InferenceEngine]:
-    eng = InferenceEngine(model=str(tiny_llama_path), **OPTIONS)
+    eng = InferenceEngine(compile=False, model=str(tiny_llama_path), **OPTIONS)
     yield eng
     eng.shutdown()
 
@@ -197,7 +197,7 @@ def test_one_failed_step_among_good_ones_keeps_the_engine_healthy(
 
 
 def test_past_max_waiting_requests_a_submit_is_refused(tiny_llama_path: Path) -> None:
-    engine = InferenceEngine(model=str(tiny_llama_path), max_num_seqs=1, max_waiting_requests=2, **OPTIONS)
+    engine = InferenceEngine(compile=False, model=str(tiny_llama_path), max_num_seqs=1, max_waiting_requests=2, **OPTIONS)
     try:
         running = engine.submit(_greedy([5, 6, 7], 400))
         while engine.get_stats()["active_tasks"] == 0:
@@ -213,7 +213,7 @@ def test_past_max_waiting_requests_a_submit_is_refused(tiny_llama_path: Path) ->
 
 
 def test_calls_are_bounded_and_one_that_timed_out_never_runs(tiny_llama_path: Path) -> None:
-    engine = InferenceEngine(model=str(tiny_llama_path), max_pending_calls=2, **OPTIONS)
+    engine = InferenceEngine(compile=False, model=str(tiny_llama_path), max_pending_calls=2, **OPTIONS)
     scheduler = engine.scheduler
     started, release = threading.Event(), threading.Event()
     ran: list[str] = []

@@ -31,7 +31,7 @@ PROMPTS = ([5, 17, 300, 41], list(range(100, 140)), [7] * 19)
 
 @pytest.fixture(scope="module")
 def config(tiny_llama_path: Path) -> EngineConfig:
-    return EngineConfig.from_options(model=str(tiny_llama_path), **OPTIONS)
+    return EngineConfig.from_options(model=str(tiny_llama_path), compile=False, **OPTIONS)
 
 
 @pytest.fixture(scope="module")

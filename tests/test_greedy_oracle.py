@@ -26,7 +26,7 @@ CACHES = {
 
 @pytest.fixture(scope="module", params=list(CACHES))
 def oracle_engine(request: pytest.FixtureRequest, model_path: Path) -> Iterator[InferenceEngine]:
-    eng = InferenceEngine(model=str(model_path), max_num_batched_tokens=256, **CACHES[request.param])
+    eng = InferenceEngine(compile=False, model=str(model_path), max_num_batched_tokens=256, **CACHES[request.param])
     # The paged decode kernel runs wherever it is not turned off (this CPU, float32, a C compiler).
     assert (eng.runner.decode_kernel is None) == request.param.endswith("torch-decode")
     yield eng

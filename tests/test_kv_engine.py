@@ -124,7 +124,7 @@ def test_rerotate_k_moves_layer_zero_keys_to_new_positions(engine: InferenceEngi
 
 
 def test_contiguous_cache_refuses_kv_calls(tiny_llama_path) -> None:
-    engine = InferenceEngine(model=str(tiny_llama_path), kv_cache="contiguous", cache_tokens=1024, max_model_len=256)
+    engine = InferenceEngine(compile=False, model=str(tiny_llama_path), kv_cache="contiguous", cache_tokens=1024, max_model_len=256)
     try:
         with pytest.raises(ValueError, match="kv_cache: .*paged"):
             engine.kv_lookup([1, 2, 3])

@@ -28,6 +28,7 @@ def tiered(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """A pool of 160 pages (2,560 tokens): one 2,000-token prompt fills most of it."""
     disk = tmp_path_factory.mktemp("kv-disk")
     engine = InferenceEngine(
+        compile=False,
         model=str(model_path), cache_tokens=2560, max_model_len=4096, kv_tiers={"disk_path": str(disk), "disk_bytes": "2GiB"}
     )
     yield engine

@@ -100,7 +100,7 @@ def test_a_tenant_over_its_concurrency_gets_429_with_retry_after(two_slot_server
 @pytest.fixture(scope="module")
 def one_seat_engine(tiny_llama_path: Path) -> Iterator[InferenceEngine]:
     """An engine that runs one request at a time and lets one more wait."""
-    eng = InferenceEngine(model=str(tiny_llama_path), max_num_seqs=1, max_waiting_requests=1, max_model_len=1024)
+    eng = InferenceEngine(compile=False, model=str(tiny_llama_path), max_num_seqs=1, max_waiting_requests=1, max_model_len=1024)
     yield eng
     eng.shutdown()
 

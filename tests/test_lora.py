@@ -42,6 +42,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path
 @pytest.fixture(scope="module")
 def lora_engine(model_path: Path, adapters: Path) -> Iterator[InferenceEngine]:
     eng = InferenceEngine(
+        compile=False,
         model=str(model_path), dynamic_lora_loading_path=str(adapters), max_num_adapters_per_replica=4,
         page_size=16, cache_tokens=8192, max_model_len=1024,
     )
@@ -79,7 +80,7 @@ def test_kv_made_under_one_adapter_is_never_anothers(lora_engine: InferenceEngin
 
 
 def test_least_recently_used_adapters_make_room_and_held_ones_never_do(model_path: Path, adapters: Path) -> None:
-    eng = InferenceEngine(model=str(model_path), dynamic_lora_loading_path=str(adapters), max_num_adapters_per_replica=2,
+    eng = InferenceEngine(compile=False, model=str(model_path), dynamic_lora_loading_path=str(adapters), max_num_adapters_per_replica=2,
                           cache_tokens=2048, max_model_len=512)
     slots = eng.runner.adapters
     assert slots is not None
@@ -162,7 +163,7 @@ def test_an_int8_model_runs_its_adapters_deltas_exactly(model_path: Path, adapte
 
     from serve_app.model.lora import AdapterRows, lora_rows, read_adapter
 
-    eng = InferenceEngine(model=str(model_path), quantization="int8", dynamic_lora_loading_path=str(adapters),
+    eng = InferenceEngine(compile=False, model=str(model_path), quantization="int8", dynamic_lora_loading_path=str(adapters),
                           cache_tokens=2048, max_model_len=512)
     try:
         slots = eng.runner.adapters
@@ -196,7 +197,7 @@ def test_tiny_models_adapters_named_in_lora_paths_decode_as_peft_does(
     """`InferenceEngine(model=..., lora_paths={name: folder})`: a tiny model's base and adapter rows in one batch."""
     path: Path = request.getfixturevalue(f"tiny_{arch}_path")
     folders = {name: build_adapter(path, tmp_path / f"adapter-{name}", seed) for seed, name in enumerate("xy", start=3)}
-    eng = InferenceEngine(model=str(path), lora_paths={n: str(f) for n, f in folders.items()}, cache_tokens=2048,
+    eng = InferenceEngine(compile=False, model=str(path), lora_paths={n: str(f) for n, f in folders.items()}, cache_tokens=2048,
                           max_model_len=256)
     try:
         assert eng.runner.adapters is not None and eng.runner.adapters.available() == ["x", "y"]

@@ -30,7 +30,7 @@ PROMPTS = [
 def test_tiny_model_greedy_equals_transformers(arch: str, kv_cache: str, request: pytest.FixtureRequest) -> None:
     path: Path = request.getfixturevalue(f"tiny_{arch}_path")
     reference = ReferenceModel(path)
-    eng = InferenceEngine(model=str(path), kv_cache=kv_cache, page_size=8, cache_tokens=4096, max_model_len=512)
+    eng = InferenceEngine(compile=False, model=str(path), kv_cache=kv_cache, page_size=8, cache_tokens=4096, max_model_len=512)
     try:
         prompts = [eng.tokenizer.encode(p) for p in PROMPTS]
         results = [
@@ -48,8 +48,8 @@ def test_a_sliding_window_bounds_the_context_and_decodes_as_transformers_does(tm
         "qwen3", tmp_path / "sliding", model_path, use_sliding_window=True, sliding_window=48, max_window_layers=0
     )
     with pytest.raises(ValueError, match="max_model_len: 64 exceeds the model's sliding_window of 48"):
-        InferenceEngine(model=str(path), max_model_len=64, cache_tokens=1024)
-    eng = InferenceEngine(model=str(path), page_size=8, cache_tokens=1024)
+        InferenceEngine(compile=False, model=str(path), max_model_len=64, cache_tokens=1024)
+    eng = InferenceEngine(compile=False, model=str(path), page_size=8, cache_tokens=1024)
     try:
         assert eng.max_model_len == 48
         ids = eng.tokenizer.encode(PROMPTS[1])[:20]
@@ -64,7 +64,7 @@ def test_a_sliding_window_bounds_the_context_and_decodes_as_transformers_does(tm
 def test_attention_variants_it_does_not_compute_are_refused_at_load(tmp_path: Path, model_path: Path) -> None:
     path = build_tiny_model("gemma2", tmp_path / "softcapped", model_path, attn_logit_softcapping=50.0)
     with pytest.raises(ValueError, match="attn_logit_softcapping: the model asks for logit softcapping"):
-        InferenceEngine(model=str(path), cache_tokens=1024)
+        InferenceEngine(compile=False, model=str(path), cache_tokens=1024)
 
 
 def test_qwen3_tiny_model_has_qk_norms(tiny_qwen3_path: Path) -> None:

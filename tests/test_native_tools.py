@@ -60,7 +60,7 @@ HISTORY = [
 
 def _engine(tmp_path_factory: pytest.TempPathFactory, model_path: Path, template: str, **options) -> InferenceEngine:
     folder = build_tiny_model("qwen3", tmp_path_factory.mktemp(template), model_path, chat_template=TEMPLATES / template)
-    return InferenceEngine(model=str(folder), kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=1024, **options)
+    return InferenceEngine(compile=False, model=str(folder), kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=1024, **options)
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_prompt_that_can_never_fit_is_rejected_at_submit(engine: InferenceEngine
 
 
 def test_contiguous_cache_waits_for_a_free_slot(model_path: Path, reference) -> None:
-    eng = InferenceEngine(model=str(model_path), kv_cache="contiguous", cache_tokens=2 * 256, max_model_len=256)
+    eng = InferenceEngine(compile=False, model=str(model_path), kv_cache="contiguous", cache_tokens=2 * 256, max_model_len=256)
     try:
         assert eng.get_stats()["kv_pages_total"] == 2
         prompts = [eng.tokenizer.encode(f"Counting to {n}: one, two,") for n in range(5)]

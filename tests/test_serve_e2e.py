@@ -47,7 +47,9 @@ def test_health_models_and_config(served: ServeRun) -> None:
     assert httpx.get(f"{served.url}/health", timeout=10).json() == {"status": "ok", "model_loaded": True}
     card = httpx.get(f"{served.url}/v1/models", timeout=10).json()["data"][0]
     assert card["id"] == MODEL and card["max_model_len"] == 2048
-    assert _stats(served)["kv_pages_total"] == 8192 // 16
+    stats = _stats(served)
+    assert stats["kv_pages_total"] == 8192 // 16
+    assert stats["compiled_forward"] == 1  # compiled by default (the greedy test below holds it to eager)
 
 
 def test_the_cards_command_answers_its_first_request_then_twenty_streams(served: ServeRun, oai: openai.OpenAI) -> None:
@@ -224,7 +226,9 @@ def test_kv_sdk_through_serve(served: ServeRun, engine: InferenceEngine) -> None
     engine.submit(GenerateRequest(prompt=prompt, max_tokens=1, cache_salt="e2e-ref")).wait(60)
     reference = engine.kv_retrieve(prompt, "e2e-ref")
     assert reference is not None
-    torch.testing.assert_close(kv[:, :, : reference.shape[2]], reference, atol=1e-5, rtol=1e-5)
+    # The replica's forward is compiled (fused kernels sum in another order), the reference eager: the
+    # tolerance of tests/test_compiled.py between the two.
+    torch.testing.assert_close(kv[:, :, : reference.shape[2]], reference, atol=1e-4, rtol=1e-4)
     stored = kv.shape[2]
     assert context.store(kv, original.tokens[:stored], "e2e-b") is True
     assert context.store(kv, original.tokens[:stored], "e2e-b") is False

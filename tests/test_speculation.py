@@ -34,6 +34,7 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module")
 def speculating(model_path: Path) -> Iterator[InferenceEngine]:
     eng = InferenceEngine(
+        compile=False,
         model=str(model_path), page_size=16, cache_tokens=8192, max_model_len=2048, speculative_config=NGRAM
     )
     yield eng
@@ -159,6 +160,7 @@ def test_batches_over_the_limit_back_off_and_preemption_keeps_greedy_tokens(
     recompute gives the unpressured tokens), two or more at a time back off from speculating
     (disable_by_batch_size 1), and every one still gives transformers' tokens."""
     eng = InferenceEngine(
+        compile=False,
         model=str(model_path), page_size=16, cache_tokens=16 * 14, max_model_len=224, max_num_batched_tokens=64,
         max_num_seqs=6, speculative_config={**NGRAM, "disable_by_batch_size": 1},
     )
@@ -195,7 +197,7 @@ def test_a_verifying_row_gives_the_logits_of_its_tokens_prefilled(arch: str, ker
     """A decode token and four proposals, attended as decode rows over the cached context, give the same
     logits as prefilling the whole sequence: each row sees exactly the tokens before it."""
     path: Path = request.getfixturevalue(f"tiny_{arch}_path")
-    eng = InferenceEngine(model=str(path), page_size=8, cache_tokens=1024, max_model_len=256)
+    eng = InferenceEngine(compile=False, model=str(path), page_size=8, cache_tokens=1024, max_model_len=256)
     try:
         ids = torch.randint(0, eng.runner.vocab_size, (45,), generator=torch.Generator().manual_seed(2)).tolist()
         _logits(eng, BatchEntry(1, 0, 40), ids[:40], list(range(6)), kernel)  # the context, cached in pages 0-5

@@ -189,7 +189,7 @@ def test_a_schema_that_cannot_be_enforced_is_refused_before_queueing(engine: Inf
 
 
 def test_constrained_requests_survive_preemption(model_path: Path) -> None:
-    eng = InferenceEngine(model=str(model_path), page_size=16, cache_tokens=16 * 14, max_model_len=512)
+    eng = InferenceEngine(compile=False, model=str(model_path), page_size=16, cache_tokens=16 * 14, max_model_len=512)
     try:
         results = [eng.submit(_schema_request(SCHEMAS[3], f"Where is city number {i}?", temperature=0)) for i in range(6)]
         for result in results:

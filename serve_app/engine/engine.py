@@ -401,7 +401,17 @@ class InferenceEngine:
     # -- state --------------------------------------------------------------------------------
     def get_stats(self) -> dict[str, int]:
         stats = self.scheduler.stats
-        return {**self._counters(stats), **self._tier_stats(stats), **self._speculation_stats()}
+        return {**self._counters(stats), **self._tier_stats(stats), **self._speculation_stats(), **self._compile_stats()}
+
+    def _compile_stats(self) -> dict[str, int]:
+        """Whether steps run the compiled forward, and its graphs this start loaded from torch's compile
+        caches or compiled."""
+        compiled = self.runner.compiled
+        return {
+            "compiled_forward": int(compiled is not None),
+            "compile_graphs_loaded": compiled.counts.fx_graph_hits if compiled is not None else 0,
+            "compile_graphs_compiled": compiled.counts.fx_graph_misses if compiled is not None else 0,
+        }
 
     def _counters(self, stats: SchedulerStats) -> dict[str, int]:
         running, waiting = self.scheduler.counts()

@@ -1,11 +1,17 @@
-"""The compiled forward (`compile: true`): the whole model through `torch.compile` (inductor), its
-attention an opaque custom op (`serve_app::paged_attention`), token counts dynamic.
+"""The compiled forward (`compile: true`, the default): each decoder layer through `torch.compile`
+(inductor), its attention an opaque custom op (`serve_app::paged_attention`), token counts dynamic;
+embedding, final norm and head stay eager.
 
-Compiling happens at start, on the shapes a step can take (dynamo gives sizes 0 and 1 graphs of
-their own: one decode row; one prefill chunk sampling one row; several rows), so that no request
-waits for a compile, and steady state recompiles nothing. Every step's shape then has its graph, so
-steps check only the guards that tell those graphs apart (dynamo's `skip_guard_eval_unsafe`): the
-model's full guard set took about 1 ms a step, 3% of an int8 decode step at one client.
+Every layer runs the same graph (its weights and its layer number are the graph's inputs), so a
+start traces and compiles one layer, not the whole model: about 10 s cold for the packaged model on
+two cores, against about 170 s for the whole model, at the same step time (docs/compile.md). The
+artifacts go to torch's compile caches in `compile_cache.compile_cache_dir`, so that a second start
+of the same configuration loads them instead of compiling.
+
+Compiling happens at start, on the shapes a step can take (dynamo gives size 1 a graph of its own:
+one decode row; several tokens), so that no request waits for a compile, and steady state recompiles
+nothing. Every step's shape then has its graph, so steps check only the guards that tell those graphs
+apart (dynamo's `skip_guard_eval_unsafe`).
 """
 
 from __future__ import annotations
@@ -13,39 +19,111 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from serve_app.kv.storage import Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
-from serve_app.model.attention import step_context
+from serve_app.model.attention import LAYER_INDEX, step_context
+from serve_app.model.compile_cache import CompileCacheCounts
 
 logger = logging.getLogger(__name__)
 
-# (tokens in the step, rows sampled): one decode; a prefill sampling its last row; a mixed step.
-WARM_UP_SHAPES = ((1, 1), (5, 1), (7, 3))
+# (tokens in the step, rows sampled): one decode; a mixed step of decodes and a prefill.
+WARM_UP_SHAPES = ((1, 1), (7, 3))
+
+
+@dataclass(frozen=True)
+class CompiledForward:
+    """A compiled forward, and how its start went: seconds spent, and what torch's caches held."""
+
+    forward: Callable[..., Any]
+    seconds: float
+    cache_dir: Path
+    counts: CompileCacheCounts
 
 
 def compile_forward(
-    model: torch.nn.Module, storage: Storage, decode_kernel: Callable | None, freezing: bool
-) -> Callable[..., Any]:
-    """The compiled model's forward, already run (into the cache's first pages, before anything is
-    cached) on every shape class of a step. With `freezing` the weights become constants of the
-    graph: folded, and prepacked for the CPU's matrix multiply."""
-    options = {"freezing": True} if freezing else {}
-    compiled = torch.compile(model, dynamic=True, fullgraph=True, options=options)
+    model: torch.nn.Module, storage: Storage, decode_kernel: Callable | None, cache_dir: Path
+) -> CompiledForward:
+    """The model's forward with its decoder layers compiled, already run (into the cache's first
+    pages, before anything is cached) on every shape class of a step, its artifacts read from and
+    written to `cache_dir`."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    layers = decoder_layers(model)
+    before = CompileCacheCounts.now()
     started = time.perf_counter()
-    logger.info("compiling the forward (torch.compile, inductor) for %d step shapes ...", len(WARM_UP_SHAPES))
-    for tokens, rows in WARM_UP_SHAPES:
-        run_dummy_step(compiled, storage, decode_kernel, tokens, rows)
-    logger.info("compiled the forward in %.1f s", time.perf_counter() - started)
+    logger.info(
+        "compiling the forward's %d decoder layers (torch.compile, inductor) for %d step shapes, cache %s: the "
+        "first start of a configuration compiles, later ones load the cache", len(layers), len(WARM_UP_SHAPES), cache_dir,
+    )
+    compile_layers(layers)
+    try:
+        # Floats (the attention's scale) as constants: a symbolic float makes dynamo trace the layer twice.
+        with temporary_cache_dir(str(cache_dir)), torch._dynamo.config.patch(specialize_float=True):
+            for index, (tokens, rows) in enumerate(WARM_UP_SHAPES, 1):
+                shape_started, shape_before = time.perf_counter(), CompileCacheCounts.now()
+                run_dummy_step(model, storage, decode_kernel, tokens, rows)
+                logger.info(
+                    "compiled step shape %d/%d (%d tokens, %d sampled rows) in %.1f s: %s", index,
+                    len(WARM_UP_SHAPES), tokens, rows, time.perf_counter() - shape_started,
+                    (CompileCacheCounts.now() - shape_before).describe(),
+                )
+    except BaseException:
+        for layer in layers:
+            layer._compiled_call_impl = None  # what `nn.Module.compile` set: the layer runs eager again
+        raise
+    seconds = time.perf_counter() - started
+    counts = CompileCacheCounts.now() - before
+    logger.info("compiled the forward in %.1f s (%s)", seconds, "loaded from the cache" if counts.loaded else "compiled")
 
     def forward(**inputs: Any) -> Any:
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return compiled(**inputs)
+            return model(**inputs)
 
-    return forward
+    return CompiledForward(forward, seconds, cache_dir, counts)
+
+
+def compile_layers(layers: torch.nn.ModuleList) -> None:
+    """Compile each decoder layer in place (`nn.Module.compile`), after giving its attention its layer
+    number as a buffer, so that the layers share one graph."""
+    for layer in layers:
+        for module in layer.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                # On the CPU on every device: the attention op reads it as a Python int.
+                module.register_buffer(LAYER_INDEX, torch.tensor(module.layer_idx), persistent=False)
+        layer.compile(dynamic=True, fullgraph=True)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers: the list of modules each holding an attention with a layer number."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(
+            any(isinstance(getattr(inner, "layer_idx", None), int) for inner in layer.modules()) for layer in module
+        ):
+            return module
+    raise ValueError(f"{type(model).__name__} has no list of decoder layers with numbered attention")
+
+
+def compile_unsupported(device: torch.device) -> str | None:
+    """Why inductor cannot compile for `device` here, or None where it can."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton is not installed"
+    if device.type != "cpu":
+        return f"the compiled forward is built for CPU and CUDA, not {device.type}"
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as error:  # inductor's InvalidCxxCompiler, or whatever its search raised
+        return f"no C++ compiler for inductor ({type(error).__name__}; install g++ or set CXX)"
+    return None
 
 
 @torch.inference_mode()

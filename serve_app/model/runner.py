@@ -14,6 +14,8 @@ from serve_app.config import ModelConfig
 from serve_app.kv.storage import KVShape, Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import attention_window, register_attention, step_context
+from serve_app.model.compile_cache import compile_cache_dir
+from serve_app.model.compiled import CompiledForward, compile_forward, compile_unsupported
 from serve_app.model.lora import AdapterRows, AdapterSlots, lora_rows, wrap_targets
 from serve_app.model.decode_kernel import load_decode_kernel
 from serve_app.model.loader import resolve_model_path
@@ -111,17 +113,26 @@ class ModelRunner:
             load_decode_kernel(config.cache_dir, self.device, self.dtype) if config.decode_attention == "auto" else None
         )
         self.model_forward: Callable[..., Any] = self.model  # what a step runs: the model, or its compiled graph
+        self.compiled: CompiledForward | None = None  # the compiled forward, once `compile` built it
         self._quantization = config.quantization
+        self._cache_dir = config.cache_dir
         logger.info("loaded %s on %s (%s, quantization %s)", self.path, self.device, self.dtype, config.quantization)
 
     def compile(self, storage: Storage) -> None:
-        """Run the forward compiled from now on (compiled and warmed up here, into `storage`'s first pages)."""
-        from serve_app.model.compiled import compile_forward
-
-        # Quantized weights are prepacked outside the graph (int8 on the CPU) or torchao tensor subclasses,
-        # so only the float model freezes.
-        freezing = self.device.type == "cpu" and self._quantization == "none"
-        self.model_forward = compile_forward(self.model, storage, self.decode_kernel, freezing)
+        """Run the forward compiled from now on: compiled (or loaded from torch's compile caches) and
+        warmed up here, into `storage`'s first pages. Where it cannot compile, the forward stays eager,
+        and one warning says why."""
+        reason = compile_unsupported(self.device)
+        if reason is None:
+            cache_dir = compile_cache_dir(self._cache_dir, self.path, self.dtype, self._quantization, self.device)
+            try:
+                self.compiled = compile_forward(self.model, storage, self.decode_kernel, cache_dir)
+            except Exception as error:  # any failure to compile leaves the eager forward, which works
+                reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+            else:
+                self.model_forward = self.compiled.forward
+                return
+        logger.warning("compile: running the eager forward, because the compiled one cannot be built: %s", reason)
 
     def activation_bytes(self, max_tokens: int, max_rows: int) -> int:
         """An upper estimate of one step's transient memory: a few hidden-sized and the MLP's
