@@ -61,6 +61,12 @@ def _bench_soak(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_start(args: argparse.Namespace) -> None:
+    from serve_app.bench.start_bench import main
+
+    main(args)
+
+
 def _bench_process_cpu(args: argparse.Namespace) -> None:
     from serve_app.bench.process_cpu import main
 
@@ -150,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument(
         "--systems", type=_str_list, default=None,
-        help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http,http-int8,http-compiled,"
-        "http-int8-compiled,llama-server",
+        help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http,http-int8,http-eager,"
+        "http-int8-eager,llama-server",
     )
     compare.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: adds that system")
     compare.add_argument("--gguf", action="append", default=[], help="a GGUF for llama-server (repeat for several)")
@@ -222,12 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--json", default=None)
     soak.set_defaults(func=_bench_soak)
 
+    start = bench.add_parser(
+        "start", help="serve run to its first answer: eager, compiled with an empty compile cache, then with a warm one"
+    )
+    start.add_argument("--rounds", type=int, default=2, help="eager and warm compiled starts, alternating, after the cold one")
+    start.add_argument("--json", default=None)
+    start.set_defaults(func=_bench_start)
+
     process_cpu = bench.add_parser(
         "process-cpu", help="one streaming client against serve run: CPU each process spends per generated token"
     )
     process_cpu.add_argument("--requests", type=int, default=4)
     process_cpu.add_argument("--max-tokens", type=int, default=64)
-    process_cpu.add_argument("--compile", action="store_true", help="the engine's compiled forward")
+    process_cpu.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward (the default)"
+    )
     process_cpu.add_argument("--quantization", default="none", choices=["none", "int8"])
     process_cpu.add_argument("--json", default=None)
     process_cpu.set_defaults(func=_bench_process_cpu)
@@ -251,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--max-tokens", type=int, default=64)
     lora.add_argument("--repeats", type=int, default=2, help="alternating pairs of runs")
     lora.add_argument("--seed", type=int, default=0)
-    lora.add_argument("--compile", action="store_true", help="the engine's compiled forward")
+    lora.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward (the default)"
+    )
     lora.add_argument("--quantization", default="none", choices=["none", "int8"])
     lora.add_argument("--json", default=None)
     lora.set_defaults(func=_bench_lora)

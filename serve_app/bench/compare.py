@@ -1,8 +1,8 @@
 """`serve-app bench compare`: every system over the same prompts in one run, side by side, as ratios.
 
 Each in-process system runs in a fresh subprocess (its own memory peak, no shared state); the
-HTTP systems are a real `serve run` (`http`; `http-int8` with int8 weights; `-compiled` with the
-compiled forward) and llama.cpp's
+HTTP systems are a real `serve run` (`http`, the shipped config, compiled; `http-int8` with int8
+weights; `-eager` without the compiled forward) and llama.cpp's
 `llama-server` on each GGUF given (`llama-server:<file stem>`), loaded by one async client from this
 process with the same token-id prompts. The engine and the HTTP systems alternate by concurrency
 (`plan_runs`), and the host's matmul rate is measured before every run, because a shared host's
@@ -31,8 +31,8 @@ from serve_app.bench.stats import BenchRow, format_table
 HTTP_SYSTEMS = {
     "http": {},
     "http-int8": {"quantization": "int8"},
-    "http-compiled": {"compile": True},
-    "http-int8-compiled": {"quantization": "int8", "compile": True},
+    "http-eager": {"compile": False},
+    "http-int8-eager": {"quantization": "int8", "compile": False},
 }
 SYSTEMS = ("engine", "hf-sequential", "hf-static", "hf-generate-batch", *HTTP_SYSTEMS, "llama-server")
 # Run level by level, alternating, so that their ratios compare runs minutes apart.
