@@ -124,8 +124,12 @@ def test_constrained_outputs_stay_in_their_grammar_and_equal_unspeculated_ones(
     ours, theirs = speculating.submit(request).wait(120), engine.submit(request).wait(120)
     assert ours.token_ids == theirs.token_ids and set(json.loads(ours.text)) == {"name", "city", "age"}
     assert _spec(speculating)["accepted_tokens"] > before
-    sampled = speculating.submit(request.model_copy(update={"temperature": 0.9, "seed": 4})).wait(120)
-    json.loads(sampled.text)  # rejection sampling under a grammar emits only what the grammar allows
+    # Rejection sampling under a grammar emits only what the grammar allows (unseeded: a seeded request
+    # takes no proposals).
+    drafts = _spec(speculating)["drafts"]
+    sampled = speculating.submit(request.model_copy(update={"temperature": 0.7})).wait(120)
+    assert _spec(speculating)["drafts"] > drafts
+    json.loads(sampled.text)
 
 
 def test_streamed_chat_through_the_openai_sdk_and_the_metrics(speculating: InferenceEngine) -> None:
@@ -149,8 +153,11 @@ def test_streamed_chat_through_the_openai_sdk_and_the_metrics(speculating: Infer
 def test_seeded_sampling_repeats_itself(speculating: InferenceEngine) -> None:
     ids = speculating.tokenizer.encode_chat(grounded_chats(1, seed=9)[0])
     request = GenerateRequest(prompt=ids, max_tokens=24, temperature=0.7, seed=11, ignore_eos=True)
+    drafts = _spec(speculating)["drafts"]
     first, second = speculating.submit(request).wait(120), speculating.submit(request).wait(120)
     assert first.token_ids == second.token_ids and len(first.token_ids) == 24
+    # Which proposals a step keeps follows measured step times, so a seeded request takes none.
+    assert _spec(speculating)["drafts"] == drafts
 
 
 def test_batches_over_the_limit_back_off_and_preemption_keeps_greedy_tokens(

@@ -381,10 +381,13 @@ class InferenceScheduler:
 
     def _propose(self, decodes: list[Task], spare: int) -> None:
         """Set the decodes' `drafts`: the proposals found for each that the step keeps, `spare` tokens at most,
-        within each task's `max_tokens` and context, where the cache can hold them."""
+        within each task's `max_tokens` and context, where the cache can hold them. A seeded sampled task
+        gets none: which proposals a step keeps depends on measured step times, and each one verified
+        draws from the task's generator, so its seed would not give the same tokens twice."""
         assert self.speculator is not None
+        proposing = [task for task in decodes if task.generator is None]
         found = []
-        for task in decodes:
+        for task in proposing:
             room = min(
                 task.max_tokens - task.num_output - 1,  # the row's own token comes on top of them
                 self.max_model_len - task.num_tokens,
@@ -392,8 +395,8 @@ class InferenceScheduler:
             )
             task.speculation, tokens = self.speculator.find(task.speculation, task.tokens, room)
             found.append(tokens)
-        kept = self.speculator.keep(len(decodes), [(t.speculation, len(f)) for t, f in zip(decodes, found)], spare)
-        for task, tokens, count in zip(decodes, found, kept):
+        kept = self.speculator.keep(len(decodes), [(t.speculation, len(f)) for t, f in zip(proposing, found)], spare)
+        for task, tokens, count in zip(proposing, found, kept):
             if count and self.cache.grow(task.task_id, task.num_tokens + count):
                 task.drafts = tokens[:count]
 
