@@ -38,7 +38,7 @@ AUTOSCALED = {
     },
     "ray_actor_options": {"num_cpus": 1},  # one replica per node
 }
-ENGINE_KWARGS = {"cache_tokens": 4096, "max_model_len": 1024}
+ENGINE_KWARGS = {"cache_tokens": 4096, "max_model_len": 1024, "compile": False}  # eager: these tests are about placement; the card's own app (conftest's `served`) runs compiled
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +134,11 @@ def test_a_killed_replica_fails_only_its_own_streams(app: ServeRun, cluster: Two
     client = openai_client(app.url)
     with ThreadPoolExecutor(32) as pool:
         warm = _load_until(lambda: len(_replicas(app)) == 2, pool, client, 60, start=200)
-        streams: list[Future] = []  # one more every half second until both replicas run some (by load)
-        while not all(s["active_tasks"] > 0 for s in _replicas(app).values()):
-            assert len(streams) < 16, _replicas(app)
+        # Long streams, one more every half second, until both replicas run some and the short warm-up
+        # streams have ended: whatever the victim runs when it is killed is then a long stream in flight.
+        streams = _load(pool, client, 4, 300, start=300)
+        while not (all(f.done() for f in warm) and all(s["active_tasks"] > 0 for s in _replicas(app).values())):
+            assert len(streams) < 24, _replicas(app)
             streams += _load(pool, client, 1, 300, start=300 + len(streams))
             time.sleep(0.5)
         victim = next(s["pid"] for s in _replicas(app).values())

@@ -36,7 +36,7 @@ def app(tmp_path_factory: pytest.TempPathFactory, head_only: Path) -> Iterator[S
             tmp_path_factory.mktemp("tiers-cluster-app"), address=cluster.address, proxy_location="HeadOnly",
             env=cluster.env, plain=True, engine_deployment=TWO_REPLICAS,
             models=[{"model_loading_config": {"model_id": MODEL, "model_source": str(head_only / "smollm2")}}],
-            engine_kwargs={"cache_tokens": 4096, "max_model_len": 2048,
+            engine_kwargs={"cache_tokens": 4096, "max_model_len": 2048, "compile": False,  # the card's app runs compiled
                            "kv_tiers": {"host_bytes": "512MiB", "cluster": True}},
         )
         try:

@@ -19,7 +19,10 @@ from tests.served import greedy_completion, metric_samples, random_ids
 
 PAGE = 16
 PREFIX = 2010
-ENGINE_KWARGS = {"cache_tokens": 2560, "max_model_len": 4096, "kv_tiers": {"host_bytes": "1GiB"}}
+ENGINE_KWARGS = {
+    "cache_tokens": 2560, "max_model_len": 4096, "kv_tiers": {"host_bytes": "1GiB"},
+    "compile": False,  # eager: these tests are about the KV tiers; the card's own app (conftest's `served`) runs compiled
+}
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def two_engines(tmp_path_factory: pytest.TempPathFactory, adapters: Path, model_
                 "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
             },
         ],
-        engine_kwargs={"cache_tokens": 4096, "max_model_len": 2048, "num_threads": 1},
+        engine_kwargs={"cache_tokens": 4096, "max_model_len": 2048, "num_threads": 1, "compile": False},  # card's app: compiled
         engine_deployment=TWO_REPLICAS,
     )
     try:
