@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http,http-int8,http-eager,"
         "http-int8-eager,llama-server",
     )
+    compare.add_argument(
+        "--workloads", type=_str_list, default=["completions", "chat"],
+        help="what the HTTP systems and llama-server run: completions (token-id prompts), chat (short chats "
+        "through each server's chat template), or both",
+    )
     compare.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: adds that system")
     compare.add_argument("--gguf", action="append", default=[], help="a GGUF for llama-server (repeat for several)")
     compare.add_argument("--device", default="cpu", help="where the in-process systems run: cpu, cuda, cuda:N")

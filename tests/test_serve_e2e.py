@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from serve_app import GenerateRequest, InferenceEngine
+from serve_app.bench.client import CompletionClient
 from serve_app.bench.idle import http_stats, wait_idle
 from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import connect, create_request, make_post_completion
@@ -335,3 +337,17 @@ def test_the_responses_api_through_serve(served: ServeRun, oai: openai.OpenAI) -
 
     weather = weather_agent_answer(served.url)
     assert isinstance(weather, str) and weather.startswith("18 degrees and sunny in ")
+
+
+def test_the_benchmark_clients_count_a_streamed_chat_and_completion_alike(served: ServeRun) -> None:
+    """`bench compare`'s two workloads: a chat's tokens come from its usage, a completion's from its token ids."""
+
+    async def one(api: str, prompt: list) -> tuple:
+        async with CompletionClient(served.url, api=api) as client:
+            return await client.stream(MODEL, prompt, 9)
+
+    chat = asyncio.run(one("chat", [{"role": "user", "content": "Tell me about the rules of chess."}]))
+    completion = asyncio.run(one("openai", [504, 3458, 281]))
+    for timing in (chat, completion):
+        assert timing.output_tokens == 9 and len(timing.gaps) == 8 and timing.ttft > 0
+    assert chat.chunk_gaps and all(gap >= 0 for gap in chat.chunk_gaps)

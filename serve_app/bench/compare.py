@@ -4,7 +4,10 @@ Each in-process system runs in a fresh subprocess (its own memory peak, no share
 HTTP systems are a real `serve run` (`http`, the shipped config, compiled; `http-int8` with int8
 weights; `-eager` without the compiled forward) and llama.cpp's
 `llama-server` on each GGUF given (`llama-server:<file stem>`), loaded by one async client from this
-process with the same token-id prompts. The engine and the HTTP systems alternate by concurrency
+process. The HTTP systems run each workload asked for on one start: `completions`, the same token-id
+prompts streamed through this server's `/v1/completions` and llama-server's `/completion`, and `chat`,
+short chats streamed through each server's `/v1/chat/completions` and its own chat template (rows
+`<system> chat`). The engine and the HTTP systems alternate by concurrency
 (`plan_runs`), and the host's matmul rate is measured before every run, because a shared host's
 speed drifts (here 150-296 GFLOP/s within one run).
 """
@@ -39,6 +42,7 @@ SYSTEMS = ("engine", "hf-sequential", "hf-static", "hf-generate-batch", *HTTP_SY
 SERVED = ("engine", *HTTP_SYSTEMS)
 LLAMA = "llama-server"
 MODEL = "smollm2-135m-instruct"
+WORKLOADS = ("completions", "chat")
 
 
 def _token_prompts(model_path: Path, count: int, seed: int) -> list[list[int]]:
@@ -76,6 +80,12 @@ def worker(argv: list[str]) -> None:
     else:
         result = systems.run_hf_generate_batch(args.model_path, prompts, args.max_tokens, placement)
     args.out.write_text(json.dumps({"rows": [asdict(r) for r in result.rows], "tokens": result.tokens}))
+
+
+def _workload_of(row_system: str) -> tuple[str, str]:
+    """A row's system and workload: `http chat` is `http` on the chat workload."""
+    system, _, workload = row_system.partition(" ")
+    return system, workload or "completions"
 
 
 def _is_llama(system: str) -> bool:
@@ -120,10 +130,16 @@ def _run_worker(
     return [BenchRow(**row) for row in data["rows"]], data["tokens"]
 
 
+def _chats(count: int, seed: int) -> list[list[dict[str, str]]]:
+    """The chat workload: short single-turn questions."""
+    return [[{"role": "user", "content": p}] for p in make_prompts(count, seed=seed, long_every=0)]
+
+
 def _run_http(
     system: str, prompts: list[list[int]], concurrency: list[int], args: argparse.Namespace, tmp: Path,
     gguf: Path | None,
 ) -> list[BenchRow]:
+    """One start of an HTTP system, every workload asked for on it."""
     from serve_app.bench.servers import LlamaServer, ServeRun
     from serve_app.bench.systems import run_http
 
@@ -141,11 +157,19 @@ def _run_http(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    rows: list[BenchRow] = []
     try:
-        api = "llama.cpp" if gguf is not None else "openai"
-        rows = run_http(
-            server.url, MODEL, prompts, concurrency, args.max_tokens, args.single_client_prompts, system=system, api=api
-        )
+        llama = gguf is not None
+        if "completions" in args.workloads:
+            rows += run_http(
+                server.url, MODEL, prompts, concurrency, args.max_tokens, args.single_client_prompts, system=system,
+                api="llama.cpp" if llama else "openai", close_connections=llama,
+            )
+        if "chat" in args.workloads:
+            rows += run_http(
+                server.url, MODEL, _chats(args.prompts, args.seed), concurrency, args.max_tokens,
+                args.single_client_prompts, system=f"{system} chat", api="chat", close_connections=llama,
+            )
     finally:
         stop.set()
         sampler.join()
@@ -161,6 +185,9 @@ def main(args: argparse.Namespace) -> None:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         sys.exit(f"serve-app bench compare: unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    unknown = set(args.workloads) - set(WORKLOADS)
+    if unknown or not args.workloads:
+        sys.exit(f"serve-app bench compare: workloads are {', '.join(WORKLOADS)}; not {sorted(unknown)}")
     if args.device != "cpu" and any(s.startswith("http") or s == LLAMA for s in systems):
         sys.exit("serve-app bench compare: the HTTP systems and llama-server run on the CPU only; drop --device")
     ggufs: dict[str, Path] = {}  # llama-server's systems, one per GGUF
@@ -226,7 +253,7 @@ def _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args) -> dict:
             row = next((r for r in rows if r.system == peer), None)
             if row is not None and row.output_tok_s:
                 ratios[f"engine/{peer}"] = round(engine_top.output_tok_s / row.output_tok_s, 2)
-        for row in (r for r in rows if r.system in HTTP_SYSTEMS):
+        for row in (r for r in rows if r.system in HTTP_SYSTEMS):  # the completions workload only
             same = best_engine.get(row.concurrency)
             if same is not None and same.output_tok_s:
                 ratios[f"{row.system}/engine@c={row.concurrency}"] = round(row.output_tok_s / same.output_tok_s, 2)
@@ -234,8 +261,12 @@ def _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args) -> dict:
                 ratios[f"{row.system} ttft p50 / (1.2 x engine ttft p50 + 20 ms) @c={row.concurrency}"] = round(
                     row.ttft_p50_s / (1.2 * same.ttft_p50_s + 0.02), 3
                 )
-    for ours in (r for r in rows if r.system in HTTP_SYSTEMS):
-        for peer in (r for r in rows if _is_llama(r.system) and r.concurrency == ours.concurrency):
+    for ours in (r for r in rows if _workload_of(r.system)[0] in HTTP_SYSTEMS):
+        workload = _workload_of(ours.system)[1]
+        for peer in rows:
+            name, peer_workload = _workload_of(peer.system)
+            if not (_is_llama(name) and peer_workload == workload and peer.concurrency == ours.concurrency):
+                continue
             if peer.output_tok_s:
                 ratios[f"{ours.system}/{peer.system}@c={ours.concurrency}"] = round(ours.output_tok_s / peer.output_tok_s, 2)
     lines.append("")

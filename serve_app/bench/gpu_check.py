@@ -83,6 +83,7 @@ def main(args: argparse.Namespace) -> None:
         systems=["engine", "hf-static", "hf-generate-batch"], concurrency=args.concurrency, prompts=args.bench_prompts,
         max_tokens=args.bench_max_tokens, sequential_prompts=8, single_client_prompts=16, seed=args.seed,
         device=args.device, dtype=args.bench_dtype, llama_server=None, gguf=[], json=None, plot=None,
+        workloads=["completions"],
     ))
     quant_bench.main(argparse.Namespace(
         model=args.model, quantization=args.quantization, device=args.device, dtype=args.bench_dtype,

@@ -171,36 +171,40 @@ def run_hf_generate_batch(
 
 
 async def _http_requests(
-    url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int, api: str
+    url: str, model: str, prompts: list, concurrency: int, max_tokens: int, api: str, close_connections: bool
 ) -> tuple[float, list[RequestTiming]]:
     slots = asyncio.Semaphore(concurrency)
-    async with CompletionClient(url, api=api) as client:
+    async with CompletionClient(url, api=api, close_connections=close_connections) as client:
 
-        async def one(ids: list[int]) -> RequestTiming:
+        async def one(prompt: list) -> RequestTiming:
             async with slots:
-                return await client.stream(model, ids, max_tokens)
+                return await client.stream(model, prompt, max_tokens)
 
         begin = time.perf_counter()
-        timings = await asyncio.gather(*(one(ids) for ids in prompts))
+        timings = await asyncio.gather(*(one(prompt) for prompt in prompts))
         return time.perf_counter() - begin, list(timings)
 
 
 def run_http(
     url: str,
     model: str,
-    prompts: list[list[int]],
+    prompts: list,
     concurrencies: Sequence[int],
     max_tokens: int,
     single_client_prompts: int,
     system: str = "http",
     api: str = "openai",
+    close_connections: bool = False,
 ) -> list[BenchRow]:
-    """A server through its full HTTP path: streaming completions of token-id prompts from an async client
-    (this server's OpenAI completions, or llama-server's own `/completion` with `api="llama.cpp"`)."""
-    asyncio.run(_http_requests(url, model, prompts[:4], 4, 4, api))  # warm-up
+    """A server through its full HTTP path: streaming requests from an async client. Token-id prompts go
+    to this server's OpenAI completions, or to llama-server's own `/completion` with `api="llama.cpp"`;
+    chats (lists of messages) go to either's `/v1/chat/completions` with `api="chat"`."""
+    asyncio.run(_http_requests(url, model, prompts[:4], 4, 4, api, close_connections))  # warm-up
     rows = []
     for concurrency in concurrencies:
         subset = prompts_at(prompts, concurrency, single_client_prompts)
-        duration, timings = asyncio.run(_http_requests(url, model, subset, concurrency, max_tokens, api))
+        duration, timings = asyncio.run(
+            _http_requests(url, model, subset, concurrency, max_tokens, api, close_connections)
+        )
         rows.append(BenchRow.from_timings(system, concurrency, duration, timings))
     return rows
