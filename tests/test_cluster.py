@@ -2,12 +2,18 @@
 `ray start --address=...` for a second raylet, one CPU each, token authentication on): `serve run
 --address` onto it, its model a folder only the head node has; autoscaling adds an engine replica on the
 other node under load (which copies the model from the head into that node's own cache folder) and
-removes it when idle, streams on a replica being
-scaled down finish, a killed replica's streams end with an error while the others finish, and a
-`serve deploy` of a changed config rolls the replicas under streams without dropping one.
+removes it when idle, streams on a replica being scaled down finish, a killed replica's streams end with
+an error while the others finish, and a `serve deploy` of a changed config rolls the replicas under
+streams without dropping one.
+
+The changed config is the cluster KV tier's: two engine replicas, one per node, each writing the pages it
+computes to its own node's host tier. While the replica that computed a prefix is busy, the router sends
+the same prompt to the other replica, which fetches those pages from the first node's store through Ray
+instead of recomputing them, and answers the greedy tokens the first one computed.
 
 Autoscaling runs with short delays here (as Ray's own autoscaling tests do). Each engine replica
-reserves one CPU, and so runs one torch thread.
+reserves one CPU, and so runs one torch thread. The tests run in order, each on the app the one before
+left.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import yaml
 from serve_app.bench.idle import is_idle
 from serve_app.bench.servers import ServeRun
 from tests.inprocess import MODEL, openai_client
-from tests.served import TwoNodeCluster
+from tests.served import TwoNodeCluster, greedy_completion, random_ids, router_config
 
 AUTOSCALED = {
     "autoscaling_config": {
@@ -39,6 +45,16 @@ AUTOSCALED = {
     "ray_actor_options": {"num_cpus": 1},  # one replica per node
 }
 ENGINE_KWARGS = {"cache_tokens": 4096, "max_model_len": 1024, "compile": False}  # eager: these tests are about placement; the card's own app (conftest's `served`) runs compiled
+PAGE = 16
+PREFIX = 1500
+# The config `serve deploy` rolls the app to: the cluster KV tier on two replicas, one per node.
+TIERED_KWARGS = {"cache_tokens": 6144, "max_model_len": 2048, "kv_tiers": {"host_bytes": "512MiB", "cluster": True}}
+TWO_REPLICAS = {
+    "autoscaling_config": {"min_replicas": 2, "max_replicas": 2},
+    "ray_actor_options": {"num_cpus": 1},  # one replica per node
+    # Any difference in load counts: a busy replica's prefix goes to the idle one.
+    "request_router_config": router_config(balance_abs_threshold=0, balance_rel_threshold=1.0),
+}
 
 
 @pytest.fixture(scope="module")
@@ -131,21 +147,22 @@ def test_load_adds_a_replica_on_the_other_node_and_idle_removes_it(
 
 
 def test_a_killed_replica_fails_only_its_own_streams(app: ServeRun, cluster: TwoNodeCluster) -> None:
+    long_tokens = 160  # tokens: long enough to outlast the 60-token warm-up streams started before them
     client = openai_client(app.url)
     with ThreadPoolExecutor(32) as pool:
         warm = _load_until(lambda: len(_replicas(app)) == 2, pool, client, 60, start=200)
         # Long streams, one more every half second, until both replicas run some and the short warm-up
         # streams have ended: whatever the victim runs when it is killed is then a long stream in flight.
-        streams = _load(pool, client, 4, 300, start=300)
+        streams = _load(pool, client, 4, long_tokens, start=300)
         while not (all(f.done() for f in warm) and all(s["active_tasks"] > 0 for s in _replicas(app).values())):
             assert len(streams) < 24, _replicas(app)
-            streams += _load(pool, client, 1, 300, start=300 + len(streams))
+            streams += _load(pool, client, 1, long_tokens, start=300 + len(streams))
             time.sleep(0.5)
         victim = next(s["pid"] for s in _replicas(app).values())
         assert victim in [proc.pid for _, proc in cluster.engine_replicas()]
         os.kill(victim, signal.SIGKILL)
         outcomes = []
-        for future, tokens in [(f, 60) for f in warm] + [(f, 300) for f in streams]:
+        for future, tokens in [(f, 60) for f in warm] + [(f, long_tokens) for f in streams]:
             try:
                 finish, received = future.result(timeout=600)
                 outcomes.append(("finished", received == tokens and finish == "length"))
@@ -175,7 +192,9 @@ def test_a_changed_config_deployed_rolls_the_replicas_without_dropping_a_stream(
     _wait_for(lambda: len(_replicas(app)) == 1 and all(is_idle(s) for s in _replicas(app).values()), 120, "settled")
     before = set(_replicas(app))
     config = yaml.safe_load(app.config_path.read_text())
-    config["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"].update(max_num_seqs=64, cache_tokens=2048)
+    (llm,) = config["applications"][0]["args"]["llm_configs"]
+    llm["engine_kwargs"].update(TIERED_KWARGS)
+    llm["deployment_config"].update(TWO_REPLICAS)
     changed = app.config_path.with_name("changed.yaml")
     changed.write_text(yaml.safe_dump(config))
     client = openai_client(app.url)
@@ -187,12 +206,47 @@ def test_a_changed_config_deployed_rolls_the_replicas_without_dropping_a_stream(
         results = [future.result(timeout=600) for future in streams]
     assert results == [("length", 100)] * 8  # every stream in flight ended whole
 
-    def rolled() -> bool:
+    def rolled() -> bool:  # two new replicas, one on each node
         replicas = _replicas(app)
-        return bool(replicas) and not set(replicas) & before and all(s["kv_pages_total"] == 2048 // 16 for s in replicas.values())
+        return (
+            len(replicas) == 2 and not set(replicas) & before and len({s["node_id"] for s in replicas.values()}) == 2
+            and all(s["kv_pages_total"] == TIERED_KWARGS["cache_tokens"] // PAGE for s in replicas.values())
+        )
 
-    _wait_for(rolled, 300, "rolled to replicas with the new config")
+    _wait_for(rolled, 300, "rolled to two replicas with the new config")
     status = cluster.serve_cli("status")
     assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
     after = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert after.choices[0].finish_reason in ("stop", "length")  # new requests go to the new replicas
+
+
+def _busy_with(run: ServeRun, ids: list[int]) -> None:
+    """A long greedy stream of `ids` and more: it goes where `ids` is cached and keeps that replica busy."""
+    stream = openai_client(run.url).completions.create(
+        model=MODEL, prompt=ids + [42] * PAGE, max_tokens=250, temperature=0, stream=True, timeout=300,
+        extra_body={"ignore_eos": True},
+    )
+    for _ in stream:
+        pass
+
+
+def test_a_prefix_computed_on_one_node_is_a_cluster_hit_on_the_other(app: ServeRun) -> None:
+    ids = random_ids(3, PREFIX)
+    cold, cached = greedy_completion(app.url, ids)
+    assert cached == 0
+    (computed_on,) = [r for r, s in _replicas(app).items() if s["prompt_tokens"] >= PREFIX]
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(_busy_with, app, ids)
+        deadline = time.monotonic() + 60
+        while _replicas(app)[computed_on]["active_tasks"] == 0:  # the router sees its load with the same reports
+            assert time.monotonic() < deadline and not busy.done(), "the long stream did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        warm, cached = greedy_completion(app.url, ids, wait_idle_after=False)
+        assert not busy.done(), "the busy replica finished before the prompt was routed; routing was not tested"
+        busy.result()
+    replicas = _replicas(app)
+    (other,) = [r for r in replicas if r != computed_on]
+    assert replicas[other]["node_id"] != replicas[computed_on]["node_id"]
+    assert replicas[other]["prefix_cache_hit_tokens_cluster"] == cached == (PREFIX - 1) // PAGE * PAGE
+    assert warm == cold
