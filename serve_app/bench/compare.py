@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -225,7 +226,9 @@ def main(args: argparse.Namespace) -> None:
     if args.plot:
         from serve_app.bench.plot import plot_rows
 
-        plot_rows(rows, args.plot, title=f"{args.prompts} prompts, {args.max_tokens} new tokens, greedy")
+        title = (f"{MODEL}, {args.prompts} prompts, {args.max_tokens} new tokens, greedy; "
+                 f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
+        plot_rows(rows, args.plot, title=title)
         print(f"plot written to {args.plot}")
 
 

@@ -1,6 +1,7 @@
 """The compiled forward (`compile: true`, the default): each decoder layer through `torch.compile`
 (inductor), its attention an opaque custom op (`serve_app::paged_attention`), token counts dynamic;
-embedding, final norm and head stay eager.
+embedding, final norm and head stay eager. On the CPU in fp32, every linear layer (the head too) first
+moves its weight into oneDNN's layout (`onednn_linear.py`), as inductor's weight freezing would.
 
 Every layer runs the same graph (its weights and its layer number are the graph's inputs), so a
 start traces and compiles one layer, not the whole model: about 10 s cold for the packaged model on
@@ -29,6 +30,7 @@ from serve_app.kv.storage import Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import LAYER_INDEX, step_context
 from serve_app.model.compile_cache import CompileCacheCounts
+from serve_app.model.onednn_linear import onednn_supported, pack_linears, restore_linears
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,9 @@ def compile_forward(
         "compiling the forward's %d decoder layers (torch.compile, inductor) for %d step shapes, cache %s: the "
         "first start of a configuration compiles, later ones load the cache", len(layers), len(WARM_UP_SHAPES), cache_dir,
     )
+    packed = pack_linears(model) if onednn_supported(model, storage.device) else 0
+    if packed:
+        logger.info("%d linear layers run on oneDNN, their weights in its layout", packed)
     compile_layers(layers)
     try:
         # Floats (the attention's scale) as constants: a symbolic float makes dynamo trace the layer twice.
@@ -76,6 +81,7 @@ def compile_forward(
     except BaseException:
         for layer in layers:
             layer._compiled_call_impl = None  # what `nn.Module.compile` set: the layer runs eager again
+        restore_linears(model)
         raise
     seconds = time.perf_counter() - started
     counts = CompileCacheCounts.now() - before
