@@ -1,5 +1,6 @@
 """The compiled forward (`compile: true`, the default) on a tiny Llama serving LoRA adapters, in fp32 and with
-int8 weights: compiled at start for every shape class of a step, the same logits as the eager forward, the
+int8 weights: compiled at start for every shape class of a step (fp32's linears on oneDNN), the same logits
+as the eager forward, the
 adapters' tokens as transformers + peft gives them, no recompile while it serves batches of every kind
 (decodes, prefill chunks, prefix hits, sampling, adapters mixed with the base model), a second start in a
 fresh process loading every graph from torch's compile caches, and without a C++ compiler the eager
@@ -25,6 +26,7 @@ from serve_app.config import EngineConfig
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import step_context
 from serve_app.model.compiled import WARM_UP_SHAPES
+from serve_app.model.onednn_linear import OneDnnLinear
 from tests.adapters import build_adapter
 from tests.references import ReferenceModel
 
@@ -47,6 +49,9 @@ def compiled(
     assert counters["stats"]["unique_graphs"] - graphs == len(WARM_UP_SHAPES)  # all compiled before serving
     stats = engine.get_stats()
     assert stats["compiled_forward"] == 1 and stats["compile_graphs_compiled"] == len(WARM_UP_SHAPES)
+    # fp32 linears run on oneDNN (the LoRA-wrapped ones too); int8's are its own.
+    on_onednn = [m for m in engine.runner.model.modules() if isinstance(m, OneDnnLinear)]
+    assert len(on_onednn) == (0 if request.param == "int8" else 7 * engine.runner.kv_shape.n_layers + 1)
     yield engine
     engine.shutdown()
 
@@ -76,7 +81,8 @@ def test_the_compiled_forward_gives_the_eager_logits(compiled: InferenceEngine) 
     ]
     graphs = counters["stats"]["unique_graphs"]
     for seed, (entries, keep) in enumerate(steps):
-        eager = _logits(runner.model, compiled, entries, keep, seed)
+        with torch.compiler.set_stance("force_eager"):  # the layers' own forward, not their compiled graphs
+            eager = _logits(runner.model, compiled, entries, keep, seed)
         ours = _logits(runner.model_forward, compiled, entries, keep, seed)
         assert ours.shape == eager.shape == (1, len(keep), runner.vocab_size)
         torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
@@ -151,3 +157,26 @@ def test_without_a_cpp_compiler_the_engine_runs_eager_after_one_warning(tiny_lla
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "Traceback" not in stderr, stderr
     assert started["stats"]["compiled_forward"] == 0
     assert started["tokens"] == ReferenceModel(tiny_llama_path).greedy(PROMPT, 8)
+
+
+def test_onednn_linears_give_the_plain_products_and_restore_exactly(tiny_llama_path: Path) -> None:
+    """The fp32 compiled forward's linears on oneDNN: the products `nn.Linear` gives (to float rounding), and
+    after a failed compile the very weights back."""
+    from transformers import AutoModelForCausalLM
+
+    from serve_app.model.onednn_linear import onednn_supported, pack_linears, restore_linears
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    assert onednn_supported(model, torch.device("cpu"))
+    linears = {name: m.weight.detach().clone() for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    x = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        plain = model(inputs_embeds=x).logits
+        assert pack_linears(model) == len(linears)
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        packed = model(inputs_embeds=x).logits
+    torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)
+    restore_linears(model)
+    restored = {name: m.weight for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    assert restored.keys() == linears.keys() and not any(isinstance(m, OneDnnLinear) for m in model.modules())
+    assert all(torch.equal(restored[name], weight) for name, weight in linears.items())
