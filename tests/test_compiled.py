@@ -1,11 +1,10 @@
 """The compiled forward (`compile: true`, the default) on a tiny Llama serving LoRA adapters, in fp32 and with
 int8 weights: compiled at start for every shape class of a step (fp32's linears on oneDNN), the same logits
-as the eager forward, the
-adapters' tokens as transformers + peft gives them, no recompile while it serves batches of every kind
-(decodes, prefill chunks, prefix hits, sampling, adapters mixed with the base model), a second start in a
-fresh process loading every graph from torch's compile caches, and without a C++ compiler the eager
-forward after one warning. (The other tests' in-process engines run eager: this module holds the
-compiled forward to the eager one.)"""
+as the eager forward, the adapters' tokens as transformers + peft gives them, no recompile while it serves
+batches of every kind (decodes, prefill chunks, prefix hits, sampling, adapters mixed with the base model),
+a second start in a fresh process loading every graph from torch's compile caches, and without a C++
+compiler the eager forward after one warning. (The other tests' in-process engines run eager: this module
+holds the compiled forward to the eager one.)"""
 
 from __future__ import annotations
 
