@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     engine.add_argument("--seed", type=int, default=0, help="seed of the prompt set")
     engine.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    engine.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward (the default)"
+    )
     engine.set_defaults(func=_bench_engine)
 
     compare = bench.add_parser("compare", help="this engine and server against transformers, side by side")
@@ -241,9 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     start.set_defaults(func=_bench_start)
 
     process_cpu = bench.add_parser(
-        "process-cpu", help="one streaming client against serve run: CPU each process spends per generated token"
+        "process-cpu", help="streaming clients against serve run: CPU each process spends per generated token"
     )
     process_cpu.add_argument("--requests", type=int, default=4)
+    process_cpu.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     process_cpu.add_argument("--max-tokens", type=int, default=64)
     process_cpu.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward (the default)"

@@ -1,6 +1,7 @@
-"""`serve-app bench process-cpu`: what one streaming client's tokens cost each process of a fresh
+"""`serve-app bench process-cpu`: what streaming clients' tokens cost each process of a fresh
 `serve run`: CPU time and context switches per generated token, process by process (the engine's
-own, the replicas, Serve's and Ray's daemons, HAProxy), and the load generator's own.
+own, the replicas, Serve's and Ray's daemons, HAProxy), and the load generator's own; one client by
+default, or `--concurrency` of them.
 
 On a machine with few cores every other process's CPU comes out of the model's threads' time, so
 this is where one client's speed over HTTP goes beside the step itself.
@@ -100,26 +101,29 @@ def _processes(server: ServeRun) -> list[psutil.Process]:
     return [root, *root.children(recursive=True), psutil.Process()]  # the load generator last
 
 
-async def _one_client(url: str, requests: int, max_tokens: int) -> tuple[int, list[float]]:
-    """Tokens generated, and the gaps between the stream's chunks as the client saw them."""
+async def _clients(url: str, requests: int, max_tokens: int, concurrency: int = 1) -> tuple[int, list[float]]:
+    """`requests` streams, `concurrency` at a time: tokens generated, and the gaps between each stream's
+    chunks as its client saw them."""
+    slots = asyncio.Semaphore(concurrency)
     async with CompletionClient(url) as client:
-        tokens, gaps = 0, []
-        for index in range(requests):
-            timing = await client.stream(MODEL, f"Tell me about topic number {index}.", max_tokens)
-            tokens += timing.output_tokens
-            gaps.extend(timing.chunk_gaps)
-        return tokens, gaps
+
+        async def one(index: int):
+            async with slots:
+                return await client.stream(MODEL, f"Tell me about topic number {index}.", max_tokens)
+
+        timings = await asyncio.gather(*(one(index) for index in range(requests)))
+    return sum(t.output_tokens for t in timings), [gap for t in timings for gap in t.chunk_gaps]
 
 
 def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as workdir:
         server = ServeRun(Path(workdir), engine_kwargs={"compile": args.compile, "quantization": args.quantization}, timeout=1800)
         try:
-            asyncio.run(_one_client(server.url, 1, 8))  # warm
+            asyncio.run(_clients(server.url, 1, 8))  # warm
             processes = _processes(server)
             before = sample(processes)
             start = time.perf_counter()
-            tokens, gaps = asyncio.run(_one_client(server.url, args.requests, args.max_tokens))
+            tokens, gaps = asyncio.run(_clients(server.url, args.requests, args.max_tokens, args.concurrency))
             wall = time.perf_counter() - start
             rows = costs(before, sample(processes), tokens)
         finally:
