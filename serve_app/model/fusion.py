@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from serve_app.model.surgery import replace_modules
+
 # The MLP classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))`.
 GATED_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
 
@@ -41,10 +43,7 @@ def _is_gated_mlp(module: torch.nn.Module) -> bool:
 
 def fuse_gate_up(model: torch.nn.Module) -> int:
     """Replace every gated MLP of `model` by a `GateUpMLP` of the same weights (in place); how many."""
-    fused = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if _is_gated_mlp(child):
-                setattr(parent, name, GateUpMLP(child.gate_proj, child.up_proj, child.down_proj, child.act_fn))
-                fused += 1
-    return fused
+    return replace_modules(
+        model,
+        lambda _, child: GateUpMLP(child.gate_proj, child.up_proj, child.down_proj, child.act_fn) if _is_gated_mlp(child) else None,
+    )

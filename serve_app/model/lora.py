@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from serve_app.errors import EngineOverloadedError, InvalidRequestError
+from serve_app.model.surgery import replace_modules
 
 # The decoder's linear layers an adapter may target (Llama, Qwen2/3, Mistral names).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -131,12 +132,14 @@ class LoRALinear(torch.nn.Module):
 def wrap_targets(model: torch.nn.Module, slots: int, max_rank: int) -> dict[str, LoRALinear]:
     """Put a LoRALinear around every targetable linear layer of `model`; return them by module path."""
     wrapped: dict[str, LoRALinear] = {}
-    for path, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
-            if name in TARGETS and hasattr(child, "in_features") and hasattr(child, "out_features"):
-                layer = LoRALinear(child, slots, max_rank)
-                setattr(module, name, layer)
-                wrapped[f"{path}.{name}" if path else name] = layer
+
+    def wrap(path: str, child: torch.nn.Module) -> LoRALinear | None:
+        if path.rpartition(".")[2] not in TARGETS or not (hasattr(child, "in_features") and hasattr(child, "out_features")):
+            return None
+        wrapped[path] = LoRALinear(child, slots, max_rank)
+        return wrapped[path]
+
+    replace_modules(model, wrap)
     return wrapped
 
 

@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from serve_app.model.surgery import replace_modules
+
 _PACKED: dict[int, torch.Tensor] = {}  # weight id -> the weight in oneDNN's layout
 _ids = itertools.count()
 
@@ -67,18 +69,12 @@ def onednn_supported(model: torch.nn.Module, device: torch.device) -> bool:
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Replace every fp32 `nn.Linear` of `model` by a `OneDnnLinear` (in place); how many."""
-    packed = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
-                setattr(parent, name, OneDnnLinear(child))
-                packed += 1
-    return packed
+    return replace_modules(
+        model,
+        lambda _, child: OneDnnLinear(child) if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 else None,
+    )
 
 
 def restore_linears(model: torch.nn.Module) -> None:
     """Undo `pack_linears`: every `OneDnnLinear` back to the `nn.Linear` it replaced."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, OneDnnLinear):
-                setattr(parent, name, child.dense())
+    replace_modules(model, lambda _, child: child.dense() if isinstance(child, OneDnnLinear) else None)

@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from serve_app.model.int8_gemv import Int8Gemv, RowWeights
+from serve_app.model.surgery import replace_modules
 
 INT8_MAX = 127.0
 
@@ -94,8 +95,5 @@ class Int8Linear(torch.nn.Module):
 def quantize_int8(model: torch.nn.Module, gemv: Int8Gemv | None = None) -> torch.nn.Module:
     """`model` (on the CPU) with every linear layer an `Int8Linear` (in place), running one-row steps
     on `gemv` where given."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, Int8Linear(child, gemv))
+    replace_modules(model, lambda _, child: Int8Linear(child, gemv) if type(child) is torch.nn.Linear else None)
     return model
