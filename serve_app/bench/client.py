@@ -32,7 +32,7 @@ class CompletionClient:
             raise ValueError(f"unknown completion API {api!r}")
         self._api = api
         self._url = url + self.ROUTES[api]
-        connector = aiohttp.TCPConnector(limit=0, force_close=close_connections or api == "llama.cpp")
+        connector = aiohttp.TCPConnector(limit=0, force_close=close_connections)
         self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
 
     async def __aenter__(self) -> CompletionClient:
