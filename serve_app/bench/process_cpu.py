@@ -21,9 +21,9 @@ from pathlib import Path
 
 import psutil
 
-from serve_app.bench.client import CompletionClient
 from serve_app.bench.servers import ServeRun
 from serve_app.bench.stats import percentile
+from serve_app.bench.systems import stream_requests
 
 MODEL = "smollm2-135m-instruct"
 
@@ -101,17 +101,11 @@ def _processes(server: ServeRun) -> list[psutil.Process]:
     return [root, *root.children(recursive=True), psutil.Process()]  # the load generator last
 
 
-async def _clients(url: str, requests: int, max_tokens: int, concurrency: int = 1) -> tuple[int, list[float]]:
+def _clients(url: str, requests: int, max_tokens: int, concurrency: int = 1) -> tuple[int, list[float]]:
     """`requests` streams, `concurrency` at a time: tokens generated, and the gaps between each stream's
     chunks as its client saw them."""
-    slots = asyncio.Semaphore(concurrency)
-    async with CompletionClient(url) as client:
-
-        async def one(index: int):
-            async with slots:
-                return await client.stream(MODEL, f"Tell me about topic number {index}.", max_tokens)
-
-        timings = await asyncio.gather(*(one(index) for index in range(requests)))
+    prompts = [f"Tell me about topic number {index}." for index in range(requests)]
+    _, timings = asyncio.run(stream_requests(url, MODEL, prompts, concurrency, max_tokens))
     return sum(t.output_tokens for t in timings), [gap for t in timings for gap in t.chunk_gaps]
 
 
@@ -119,11 +113,11 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as workdir:
         server = ServeRun(Path(workdir), engine_kwargs={"compile": args.compile, "quantization": args.quantization}, timeout=1800)
         try:
-            asyncio.run(_clients(server.url, 1, 8))  # warm
+            _clients(server.url, 1, 8)  # warm
             processes = _processes(server)
             before = sample(processes)
             start = time.perf_counter()
-            tokens, gaps = asyncio.run(_clients(server.url, args.requests, args.max_tokens, args.concurrency))
+            tokens, gaps = _clients(server.url, args.requests, args.max_tokens, args.concurrency)
             wall = time.perf_counter() - start
             rows = costs(before, sample(processes), tokens)
         finally:

@@ -170,9 +170,11 @@ def run_hf_generate_batch(
     return SystemResult([row], tokens)
 
 
-async def _http_requests(
-    url: str, model: str, prompts: list, concurrency: int, max_tokens: int, api: str, close_connections: bool
+async def stream_requests(
+    url: str, model: str, prompts: list, concurrency: int, max_tokens: int, api: str = "openai",
+    close_connections: bool = False,
 ) -> tuple[float, list[RequestTiming]]:
+    """Stream every prompt, `concurrency` at a time: the seconds it took, and each request's timing."""
     slots = asyncio.Semaphore(concurrency)
     async with CompletionClient(url, api=api, close_connections=close_connections) as client:
 
@@ -199,12 +201,12 @@ def run_http(
     """A server through its full HTTP path: streaming requests from an async client. Token-id prompts go
     to this server's OpenAI completions, or to llama-server's own `/completion` with `api="llama.cpp"`;
     chats (lists of messages) go to either's `/v1/chat/completions` with `api="chat"`."""
-    asyncio.run(_http_requests(url, model, prompts[:4], 4, 4, api, close_connections))  # warm-up
+    asyncio.run(stream_requests(url, model, prompts[:4], 4, 4, api, close_connections))  # warm-up
     rows = []
     for concurrency in concurrencies:
         subset = prompts_at(prompts, concurrency, single_client_prompts)
         duration, timings = asyncio.run(
-            _http_requests(url, model, subset, concurrency, max_tokens, api, close_connections)
+            stream_requests(url, model, subset, concurrency, max_tokens, api, close_connections)
         )
         rows.append(BenchRow.from_timings(system, concurrency, duration, timings))
     return rows
