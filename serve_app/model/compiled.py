@@ -63,7 +63,7 @@ def compile_forward(
         "compiling the forward's %d decoder layers (torch.compile, inductor) for %d step shapes, cache %s: the "
         "first start of a configuration compiles, later ones load the cache", len(layers), len(WARM_UP_SHAPES), cache_dir,
     )
-    packed = pack_linears(model) if onednn_supported(model, storage.device) else 0
+    packed = pack_linears(model) if onednn_supported(storage.device) else 0
     if packed:
         logger.info("%d linear layers run on oneDNN, their weights in its layout", packed)
     compile_layers(layers)

@@ -58,13 +58,10 @@ class OneDnnLinear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def onednn_supported(model: torch.nn.Module, device: torch.device) -> bool:
-    """Whether `model`'s linears can run on oneDNN here: fp32 weights on a CPU with oneDNN."""
-    weight = next((m.weight for m in model.modules() if type(m) is torch.nn.Linear), None)
-    return (
-        device.type == "cpu" and torch.backends.mkldnn.is_available()
-        and weight is not None and weight.dtype == torch.float32
-    )
+def onednn_supported(device: torch.device) -> bool:
+    """Whether linears can run on oneDNN here: a CPU, and torch built with oneDNN (`pack_linears` takes the
+    fp32 ones)."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
 def pack_linears(model: torch.nn.Module) -> int:
