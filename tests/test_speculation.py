@@ -17,7 +17,7 @@ from serve_app.bench.idle import wait_idle
 from serve_app.bench.prompts import grounded_chats
 from serve_app.config import EngineConfig
 from serve_app.engine.sampling import SamplingBatch, SamplingParams, SamplingPipeline
-from serve_app.engine.speculation import NgramIndex
+from serve_app.engine.speculation import REMEASURE_AFTER, NgramIndex, StepTimes
 from serve_app.engine.structured_output import StructuredOutput
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import step_context
@@ -56,6 +56,22 @@ def test_ngram_index_proposes_what_followed_the_longest_earlier_match() -> None:
     assert NgramIndex(2, 3).propose([1, 2, 3, 4], 3) == []  # nothing repeats
     latest = NgramIndex(2, 2)  # of several earlier occurrences, the latest
     assert latest.propose([7, 8, 1, 7, 8, 2, 7, 8], 1) == [2]
+
+
+def test_a_step_size_measured_slow_once_is_measured_again() -> None:
+    """A one-off slow step (a first run's one-time costs, a busy host) must not keep the proposals of that
+    size from ever running again: the size's first steps are averaged alike, and a size not run for a
+    while is forgotten, so it is estimated from its neighbours and tried."""
+    times = StepTimes()
+    times.record(1, 0.040)
+    times.record(5, 0.400)  # its first step paid for something else
+    assert times.estimate(5) == pytest.approx(0.400)
+    times.record(5, 0.050)
+    assert times.estimate(5) == pytest.approx(0.225)  # the second step counts as much as the first
+    for _ in range(REMEASURE_AFTER):
+        times.record(1, 0.040)
+    assert times.estimate(5) == pytest.approx(0.040 * (1 + 0.1 * 4))  # forgotten: optimistic again
+    assert times.estimate(1) == pytest.approx(0.040)
 
 
 @pytest.mark.parametrize("draft_index", [0, 3, 5])

@@ -26,7 +26,8 @@ from serve_app.config import SpeculativeConfig
 PRIOR_ACCEPTANCE = 0.6  # a task's chance per proposed token before it has any outcome
 OUTCOME_DECAY = 0.8  # a task's older outcomes count this much less at each new one
 IDLE_DECAY = 0.95  # per step without proposals, a task's outcomes fade toward the prior (so it tries again)
-STEP_TIME_WEIGHT = 0.1  # a new step's share of the running mean time of steps of its size
+STEP_TIME_WEIGHT = 0.1  # a new step's share of the running mean time of steps of its size (after its first 10)
+REMEASURE_AFTER = 50  # decode steps after which a size's time is forgotten unless a step of its size ran again
 UNSEEN_TOKEN_SHARE = 0.1  # a step size not seen yet: each token past the largest seen costs this share of its time
 
 
@@ -77,16 +78,29 @@ class TaskSpeculation:
 
 
 class StepTimes:
-    """The running mean time of decode steps by their token count; a count not seen yet is interpolated
+    """The mean time of recent decode steps by their token count; a count not seen yet is interpolated
     between its nearest seen neighbours, or, past the largest seen, estimated optimistically (so that a
-    size is tried, and then known)."""
+    size is tried, and then known).
+
+    A size's first steps are averaged alike, later ones by a running mean. A size not run for
+    `REMEASURE_AFTER` steps is forgotten: a size that measured slow once (a first run's one-time costs,
+    a moment the host was busy) is not kept from being tried, and so measured again, for good.
+    """
 
     def __init__(self) -> None:
         self._mean: dict[int, float] = {}
+        self._count: dict[int, int] = {}
+        self._last_step: dict[int, int] = {}
+        self._steps = 0
 
     def record(self, tokens: int, seconds: float) -> None:
-        mean = self._mean.get(tokens)
-        self._mean[tokens] = seconds if mean is None else mean + STEP_TIME_WEIGHT * (seconds - mean)
+        self._steps += 1
+        count = self._count.get(tokens, 0) + 1
+        mean = self._mean.get(tokens, seconds)
+        self._mean[tokens] = mean + max(1 / count, STEP_TIME_WEIGHT) * (seconds - mean)
+        self._count[tokens], self._last_step[tokens] = count, self._steps
+        for stale in [n for n, step in self._last_step.items() if self._steps - step >= REMEASURE_AFTER]:
+            del self._mean[stale], self._count[stale], self._last_step[stale]
 
     def estimate(self, tokens: int) -> float | None:
         """Seconds a decode step of `tokens` takes; None before any step of its size or smaller ran."""
