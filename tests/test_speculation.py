@@ -130,8 +130,21 @@ def test_stop_strings_max_tokens_and_logprobs_as_without_speculation(
 
 
 def test_constrained_outputs_stay_in_their_grammar_and_equal_unspeculated_ones(
-    speculating: InferenceEngine, engine: InferenceEngine
+    model_path: Path, engine: InferenceEngine
 ) -> None:
+    """Proposals verified under a grammar. A fresh engine: it verifies proposals at step sizes it has not
+    measured yet, so whether these run does not hang on the step times earlier tests left behind."""
+    speculating = InferenceEngine(
+        compile=False,
+        model=str(model_path), page_size=16, cache_tokens=4096, max_model_len=1024, speculative_config=NGRAM
+    )
+    try:
+        _constrained_outputs_stay_in_their_grammar(speculating, engine)
+    finally:
+        speculating.shutdown()
+
+
+def _constrained_outputs_stay_in_their_grammar(speculating: InferenceEngine, engine: InferenceEngine) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
               "age": {"type": "integer"}}, "required": ["name", "city", "age"]}
     chat = [{"role": "user", "content": 'Return this JSON unchanged: {"name": "Ada", "city": "Oslo", "age": 36}'}]

@@ -27,7 +27,7 @@ PRIOR_ACCEPTANCE = 0.6  # a task's chance per proposed token before it has any o
 OUTCOME_DECAY = 0.8  # a task's older outcomes count this much less at each new one
 IDLE_DECAY = 0.95  # per step without proposals, a task's outcomes fade toward the prior (so it tries again)
 STEP_TIME_WEIGHT = 0.1  # a new step's share of the running mean time of steps of its size (after its first 10)
-REMEASURE_AFTER = 50  # decode steps after which a size's time is forgotten unless a step of its size ran again
+REMEASURE_AFTER = 500  # decode steps after which a size's time is forgotten unless a step of its size ran again
 UNSEEN_TOKEN_SHARE = 0.1  # a step size not seen yet: each token past the largest seen costs this share of its time
 
 
