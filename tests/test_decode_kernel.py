@@ -45,24 +45,34 @@ def _filled_cache(shape: KVShape, page_size: int, lengths: list[int]) -> PageCac
     return cache
 
 
-@pytest.mark.parametrize(("n_heads", "n_kv_heads", "page_size"), [(9, 3, 16), (4, 4, 7), (8, 2, 1)])
-def test_kernel_matches_sdpa_over_the_gathered_context(kernel: DecodeKernel, n_heads, n_kv_heads, page_size) -> None:
-    shape = KVShape(n_layers=2, n_kv_heads=n_kv_heads, head_dim=64, dtype=torch.float32)
+@pytest.mark.parametrize(
+    ("n_heads", "n_kv_heads", "page_size", "head_dim"),
+    [
+        (9, 3, 16, 64),  # the packaged model
+        (4, 4, 7, 64),
+        (8, 2, 1, 64),
+        (10, 2, 16, 128),  # 5 heads a kv head: a group of 4 held in registers, then one more
+        (4, 2, 5, 16),  # scores 16 tokens at a time, values by plain loops
+        (6, 3, 4, 8),  # plain loops throughout
+    ],
+)
+def test_kernel_matches_sdpa_over_the_gathered_context(kernel: DecodeKernel, n_heads, n_kv_heads, page_size, head_dim) -> None:
+    shape = KVShape(n_layers=2, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=torch.float32)
     lengths = [300, 41, 17, 16, 1, 90]
     cache = _filled_cache(shape, page_size, lengths)
     for task, length in enumerate(lengths):
         assert cache.grow(task, length + 1)
     view = cache.view([BatchEntry(task, length, 1) for task, length in enumerate(lengths)])
-    view.write(1, torch.randn(len(lengths), n_kv_heads, 64), torch.randn(len(lengths), n_kv_heads, 64))
-    query = torch.randn(len(lengths), n_heads, 64)
+    view.write(1, torch.randn(len(lengths), n_kv_heads, head_dim), torch.randn(len(lengths), n_kv_heads, head_dim))
+    query = torch.randn(len(lengths), n_heads, head_dim)
     assert view.decode is not None and view.decode.context_lens.tolist() == [n + 1 for n in lengths]
 
     got = kernel(query, cache.storage.k[1], cache.storage.v[1], view.decode.page_tables, view.decode.context_lens, 0.125)
 
     for row, task_pages in enumerate(cache.tasks[t].pages for t in range(len(lengths))):
         n = lengths[row] + 1
-        k = cache.storage.k[1][task_pages].reshape(-1, n_kv_heads, 64)[:n].transpose(0, 1)
-        v = cache.storage.v[1][task_pages].reshape(-1, n_kv_heads, 64)[:n].transpose(0, 1)
+        k = cache.storage.k[1][task_pages].reshape(-1, n_kv_heads, head_dim)[:n].transpose(0, 1)
+        v = cache.storage.v[1][task_pages].reshape(-1, n_kv_heads, head_dim)[:n].transpose(0, 1)
         want = F.scaled_dot_product_attention(query[row][:, None], k, v, scale=0.125, enable_gqa=True)[:, 0]
         torch.testing.assert_close(got[row], want, atol=2e-6, rtol=1e-5)
 

@@ -6,11 +6,16 @@
  * context_lens    [num_seqs]                                    int64, tokens each query attends to (>= 1)
  *
  * Query head h reads kv head h / (n_heads / n_kv_heads), the order of transformers' repeat_kv.
- * Each sequence is one task: scores of all its query heads against every context token (a
- * page is a contiguous run of token rows), a softmax per head, then the weighted sum of
- * values. Nothing is copied out of the cache and no padding is attended over. The pages sit
- * anywhere in memory, so while one key page is scored the next key page and this value
- * page are prefetched: the loop is bound by memory, not arithmetic.
+ * Each (sequence, kv head) is one task: the scores of the query heads that share the kv head
+ * against every context token (a page is a contiguous run of token rows), a softmax per head,
+ * then the weighted sum of values. Nothing is copied out of the cache and no padding is attended
+ * over. In a step the pages come from memory (the layer's matrix products between two calls
+ * evict them), so while 16 tokens are scored the next 16 key rows and these 16 value rows are
+ * prefetched. With the pages in cache the arithmetic bounds it, so the loops are shaped for the
+ * vector units: 16 tokens' scores at a time with one shuffle tree summing their products (not
+ * one horizontal sum per token), an exp that vectorizes, and the output of up to 4 heads x 64
+ * dims held in registers while the value rows stream by once. A head_dim that is not a multiple
+ * of 16 (scores) or 64 (values) takes plain loops.
  *
  * Built with -fopenmp; loaded after torch, it shares torch's OpenMP runtime (libgomp.so.1).
  * Returns 0, or -1 when a score buffer could not be allocated.
@@ -20,9 +25,151 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline void prefetch(const float *start, int64_t floats) {
-    const char *bytes = (const char *)start;
-    for (int64_t offset = 0; offset < floats * (int64_t)sizeof(float); offset += 64) __builtin_prefetch(bytes + offset, 0, 3);
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+/* e^x for x <= 0 (a score minus its row's maximum), within 2 ulp of expf: x = n ln2 + r, e^r by
+ * Cephes' polynomial, 2^n by the exponent bits. Unlike expf it vectorizes (no errno, no call). */
+#pragma omp declare simd
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f; /* rounded to nearest: 1.5 * 2^23 */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    union { int32_t bits; float value; } two_n = {.bits = ((int32_t)n + 127) << 23};
+    return p * two_n.value;
+}
+
+/* The lanes of `a` and `b` summed in pairs into one vector: `a`'s in its first half, `b`'s in its second. */
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle((a), (b), (i16){__VA_ARGS__})
+#endif
+#define FOLD(a, b, first, second) (SHUFFLE(a, b, first) + SHUFFLE(a, b, second))
+#define L1 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define H1 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define L2 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define H2 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define L3 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define H3 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define L4 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define H4 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+
+/* q . rows[t] for t < 16 (a NULL row gives 0), head_dim a multiple of 16: each row's products in
+ * one vector, then the 16 vectors summed lane-wise by four folds into one vector of 16 dots. */
+static inline v16 dots16(const float *q, const float *const rows[16], int64_t head_dim) {
+    v16 acc[16];
+    for (int t = 0; t < 16; ++t) {
+        v16 sum = {0};
+        if (rows[t] != NULL)
+            for (int64_t i = 0; i < head_dim; i += 16) {
+                v16 x, y;
+                memcpy(&x, q + i, sizeof x);
+                memcpy(&y, rows[t] + i, sizeof y);
+                sum += x * y;
+            }
+        acc[t] = sum;
+    }
+    v16 eight[8], four[4], two[2];
+    for (int p = 0; p < 8; ++p) eight[p] = FOLD(acc[2 * p], acc[2 * p + 1], L1, H1);
+    for (int p = 0; p < 4; ++p) four[p] = FOLD(eight[2 * p], eight[2 * p + 1], L2, H2);
+    for (int p = 0; p < 2; ++p) two[p] = FOLD(four[2 * p], four[2 * p + 1], L3, H3);
+    return FOLD(two[0], two[1], L4, H4);
+}
+
+/* Where one sequence's rows of one kv head lie: row t is at k (or v) + row_offset(t). */
+typedef struct {
+    const int64_t *table;
+    int64_t page_size, page_floats, token_floats, kv_offset;
+} Rows;
+
+static inline int64_t row_offset(const Rows *rows, int64_t t) {
+    return rows->table[t / rows->page_size] * rows->page_floats + rows->kv_offset + (t % rows->page_size) * rows->token_floats;
+}
+
+/* scores[h * len + t] = scale * q_h . k_t for the `group` query heads at `qg` (prefetching the value
+ * rows `weigh_values` reads next). */
+static void score(const float *qg, const float *k, const float *v, const Rows *rows, int64_t len, int64_t group,
+                  int64_t head_dim, float scale, float *scores) {
+    if (head_dim % 16 == 0) {
+        for (int64_t start = 0; start < len; start += 16) {
+            const float *block[16];
+            for (int64_t t = 0; t < 16; ++t) block[t] = start + t < len ? k + row_offset(rows, start + t) : NULL;
+            for (int64_t t = start + 16; t < start + 32 && t < len; ++t) /* the next block's keys */
+                for (int64_t i = 0; i < head_dim; i += 16) __builtin_prefetch(k + row_offset(rows, t) + i, 0, 3);
+            for (int64_t t = start; t < start + 16 && t < len; ++t) /* this block's values */
+                for (int64_t i = 0; i < head_dim; i += 16) __builtin_prefetch(v + row_offset(rows, t) + i, 0, 3);
+            const int64_t count = len - start < 16 ? len - start : 16;
+            for (int64_t h = 0; h < group; ++h) {
+                const v16 dots = dots16(qg + h * head_dim, block, head_dim) * scale;
+                memcpy(scores + h * len + start, &dots, sizeof(float) * (size_t)count);
+            }
+        }
+        return;
+    }
+    for (int64_t t = 0; t < len; ++t) {
+        const float *kt = k + row_offset(rows, t);
+        for (int64_t h = 0; h < group; ++h) {
+            const float *qh = qg + h * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < head_dim; ++i) dot += qh[i] * kt[i];
+            scores[h * len + t] = dot * scale;
+        }
+    }
+}
+
+static void softmax(float *row, int64_t len) {
+    float top = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+        row[t] = exp_nonpositive(row[t] - top);
+        sum += row[t];
+    }
+    const float inverse = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
+}
+
+/* og[h] = sum over t of probs[h * len + t] * v_t, for the `group` heads. */
+static void weigh_values(const float *probs, const float *v, const Rows *rows, int64_t len, int64_t group,
+                         int64_t head_dim, float *og) {
+    if (head_dim % 64 == 0) {
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 64)
+            for (int64_t h0 = 0; h0 < group; h0 += 4) {
+                const int64_t heads = group - h0 < 4 ? group - h0 : 4;
+                v16 acc[4][4] = {{{0}}};
+                for (int64_t t = 0; t < len; ++t) {
+                    v16 x[4];
+                    memcpy(x, v + row_offset(rows, t) + d0, sizeof x);
+                    for (int h = 0; h < 4 && h < heads; ++h) {
+                        const float p = probs[(h0 + h) * len + t];
+                        for (int c = 0; c < 4; ++c) acc[h][c] += p * x[c];
+                    }
+                }
+                for (int h = 0; h < heads; ++h) memcpy(og + (h0 + h) * head_dim + d0, acc[h], sizeof acc[h]);
+            }
+        return;
+    }
+    memset(og, 0, sizeof(float) * (size_t)(group * head_dim));
+    for (int64_t t = 0; t < len; ++t) {
+        const float *vt = v + row_offset(rows, t);
+        for (int64_t h = 0; h < group; ++h) {
+            const float p = probs[h * len + t];
+            float *oh = og + h * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; ++i) oh[i] += p * vt[i];
+        }
+    }
 }
 
 int paged_decode_attention(const float *query, const float *k, const float *v, const int64_t *page_tables,
@@ -30,71 +177,29 @@ int paged_decode_attention(const float *query, const float *k, const float *v, c
                            int64_t n_kv_heads, int64_t head_dim, int64_t page_size, int64_t max_pages,
                            float scale, int n_threads) {
     const int64_t group = n_heads / n_kv_heads;
-    const int64_t token_floats = n_kv_heads * head_dim;
-    const int64_t page_floats = page_size * token_floats;
     int64_t max_len = 1;
     for (int64_t s = 0; s < num_seqs; ++s) max_len = context_lens[s] > max_len ? context_lens[s] : max_len;
     int failed = 0;
 
 #pragma omp parallel num_threads(n_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(n_heads * max_len)); /* [n_heads][len] */
+        float *scores = malloc(sizeof(float) * (size_t)(group * max_len)); /* [group][len] */
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t seq = 0; seq < num_seqs; ++seq) {
-            if (scores == NULL) continue;
-            const int64_t len = context_lens[seq];
-            const int64_t n_pages = (len + page_size - 1) / page_size;
-            const int64_t *table = page_tables + seq * max_pages;
-            const float *q = query + seq * n_heads * head_dim;
-            float *o = out + seq * n_heads * head_dim;
-
-            for (int64_t b = 0; b < n_pages; ++b) {
-                const float *page = k + table[b] * page_floats;
-                if (b + 1 < n_pages) prefetch(k + table[b + 1] * page_floats, page_floats);
-                prefetch(v + table[b] * page_floats, page_floats);
-                const int64_t count = len - b * page_size < page_size ? len - b * page_size : page_size;
-                for (int64_t j = 0; j < count; ++j) {
-                    const float *row = page + j * token_floats;
-                    for (int64_t h = 0; h < n_heads; ++h) {
-                        const float *qh = q + h * head_dim, *kh = row + (h / group) * head_dim;
-                        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t i = 0; i < head_dim; ++i) dot += qh[i] * kh[i];
-                        scores[h * len + b * page_size + j] = dot * scale;
-                    }
-                }
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t seq = 0; seq < num_seqs; ++seq)
+            for (int64_t g = 0; g < n_kv_heads; ++g) {
+                if (scores == NULL) continue;
+                const int64_t len = context_lens[seq];
+                const Rows rows = {page_tables + seq * max_pages, page_size, page_size * n_kv_heads * head_dim,
+                                   n_kv_heads * head_dim, g * head_dim};
+                const int64_t first = (seq * n_heads + g * group) * head_dim; /* query head g * group onwards */
+                score(query + first, k, v, &rows, len, group, head_dim, scale, scores);
+                for (int64_t h = 0; h < group; ++h) softmax(scores + h * len, len);
+                weigh_values(scores, v, &rows, len, group, head_dim, out + first);
             }
-            for (int64_t h = 0; h < n_heads; ++h) {
-                float *row = scores + h * len;
-                float top = -INFINITY, sum = 0.f;
-                for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
-                for (int64_t t = 0; t < len; ++t) {
-                    row[t] = expf(row[t] - top);
-                    sum += row[t];
-                }
-                const float inverse = 1.f / sum;
-                for (int64_t t = 0; t < len; ++t) row[t] *= inverse;
-            }
-            memset(o, 0, sizeof(float) * (size_t)(n_heads * head_dim));
-            for (int64_t b = 0; b < n_pages; ++b) {
-                const float *page = v + table[b] * page_floats;
-                const int64_t count = len - b * page_size < page_size ? len - b * page_size : page_size;
-                for (int64_t j = 0; j < count; ++j) {
-                    const float *row = page + j * token_floats;
-                    for (int64_t h = 0; h < n_heads; ++h) {
-                        const float p = scores[h * len + b * page_size + j];
-                        const float *vh = row + (h / group) * head_dim;
-                        float *oh = o + h * head_dim;
-#pragma omp simd
-                        for (int64_t i = 0; i < head_dim; ++i) oh[i] += p * vh[i];
-                    }
-                }
-            }
-        }
         free(scores);
     }
     return failed ? -1 : 0;
