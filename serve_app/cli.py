@@ -73,6 +73,12 @@ def _bench_process_cpu(args: argparse.Namespace) -> None:
     main(args)
 
 
+def _bench_decode_kernel(args: argparse.Namespace) -> None:
+    from serve_app.bench.decode_kernel_bench import main
+
+    main(args)
+
+
 def _bench_structured(args: argparse.Namespace) -> None:
     from serve_app.bench.structured_bench import main
 
@@ -255,6 +261,22 @@ def build_parser() -> argparse.ArgumentParser:
     process_cpu.add_argument("--quantization", default="none", choices=["none", "int8"])
     process_cpu.add_argument("--json", default=None)
     process_cpu.set_defaults(func=_bench_process_cpu)
+
+    kernel = bench.add_parser(
+        "decode-kernel", help="the paged decode-attention kernel on one layer's call, caches warm and cold"
+    )
+    kernel.add_argument("--rows", type=int, default=64, help="decode rows (requests) in the call")
+    kernel.add_argument("--heads", type=int, default=9)
+    kernel.add_argument("--kv-heads", type=int, default=3)
+    kernel.add_argument("--head-dim", type=int, default=64)
+    kernel.add_argument("--page-size", type=int, default=16)
+    kernel.add_argument("--context", type=int, default=50, help="tokens each row attends to")
+    kernel.add_argument("--threads", type=int, default=2)
+    kernel.add_argument("--calls", type=int, default=100)
+    kernel.add_argument("--rounds", type=int, default=2)
+    kernel.add_argument("--against", default=None, help="another paged_decode.c to time alongside")
+    kernel.add_argument("--json", default=None)
+    kernel.set_defaults(func=_bench_decode_kernel)
 
     structured = bench.add_parser("structured", help="the same requests with and without a JSON schema, in one run")
     structured.add_argument("--model", default=DEFAULT_MODEL)

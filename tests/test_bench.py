@@ -176,3 +176,22 @@ def test_process_cpu_names_each_process_and_charges_it_per_token() -> None:
     assert [(r.role, r.pid) for r in rows] == [("engine process", 1), ("llm:Ingress", 2)]  # one gone, one new: neither
     assert abs(rows[0].cpu_ms_per_token - 90.0) < 1e-9 and abs(rows[1].cpu_ms_per_token - 2.0) < 1e-9
     assert rows[0].switches_per_token == 0.1 and rows[1].switches_per_token == 1.0
+
+
+def test_decode_kernel_bench_times_this_kernel_and_another_source_warm_and_cold(tmp_path: Path) -> None:
+    """`--against` builds the other source too; every (round, kernel, caches) gets a time, written to --json."""
+    from serve_app.model.decode_kernel import SOURCE
+
+    older = tmp_path / "older.c"
+    older.write_text(SOURCE.read_text() + "\n/* another build of the same kernel */\n")
+    report = tmp_path / "kernel.json"
+    subprocess.run(
+        [sys.executable, "-m", "serve_app.cli", "bench", "decode-kernel", "--rows", "4", "--context", "40",
+         "--calls", "3", "--rounds", "1", "--against", str(older), "--json", str(report)],
+        check=True, timeout=300,
+    )
+    rows = json.loads(report.read_text())["rows"]
+    assert {(r["kernel"], r["caches"]) for r in rows} == {
+        (name, caches) for name in ("this kernel", str(older)) for caches in ("warm", "cold")
+    }
+    assert all(r["ms_per_call"] > 0 for r in rows)

@@ -1,0 +1,65 @@
+"""`serve-app bench decode-kernel`: the paged decode-attention kernel timed on one layer's call, with its
+pages in cache (warm) and after other memory traffic has gone through the caches (cold, as in a step,
+where the layer's matrix products run between two calls); `--against` another source of it (an earlier
+`paged_decode.c`, say) times that one alongside, alternating."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from serve_app.model.decode_kernel import DecodeKernel, build_decode_kernel
+from serve_app.model.native import build_library
+
+TRAFFIC_BYTES = 64 * 1024 * 1024
+
+
+def _inputs(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    """Query rows, one layer's pages and each row's pages (scattered) and context length."""
+    generator = torch.Generator().manual_seed(0)
+    pages_per_row = -(-args.context // args.page_size)
+    n_pages = args.rows * pages_per_row
+    shape = (n_pages, args.page_size, args.kv_heads, args.head_dim)
+    k, v = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    query = torch.randn(args.rows, args.heads, args.head_dim, generator=generator)
+    tables = torch.randperm(n_pages, generator=generator).view(args.rows, pages_per_row).contiguous()
+    lengths = torch.full((args.rows,), args.context, dtype=torch.int64)
+    return query, k, v, tables, lengths
+
+
+def _time(kernel: DecodeKernel, inputs: tuple[torch.Tensor, ...], calls: int, traffic: torch.Tensor | None) -> float:
+    """Mean seconds a call, `traffic` (when given) streamed through the caches before each."""
+    kernel(*inputs, 0.125)
+    total = 0.0
+    for _ in range(calls):
+        if traffic is not None:
+            traffic.add_(1.0)
+        started = time.perf_counter()
+        kernel(*inputs, 0.125)
+        total += time.perf_counter() - started
+    return total / calls
+
+
+def main(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="serve-app-kernel-") as cache:
+        kernels = {"this kernel": build_decode_kernel(Path(cache))}
+        if args.against:
+            kernels[args.against] = DecodeKernel(*build_library(Path(args.against), Path(cache)))
+        inputs = _inputs(args)
+        traffic = torch.ones(TRAFFIC_BYTES // 4)
+        rows = []
+        for round_ in range(args.rounds):
+            for name, kernel in kernels.items():
+                for state, flush in (("warm", None), ("cold", traffic)):
+                    seconds = _time(kernel, inputs, args.calls, flush)
+                    rows.append({"kernel": name, "round": round_, "caches": state, "ms_per_call": round(seconds * 1e3, 4)})
+                    print(f"round {round_}  {name:>30}  {state}: {seconds * 1e3:.3f} ms a call")
+    if args.json:
+        shape = {name: getattr(args, name) for name in ("rows", "heads", "kv_heads", "head_dim", "page_size", "context", "threads")}
+        Path(args.json).write_text(json.dumps({"shape": shape, "rows": rows}, indent=2))
