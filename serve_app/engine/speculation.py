@@ -77,6 +77,15 @@ class TaskSpeculation:
         self.rejected *= IDLE_DECAY
 
 
+@dataclass
+class _SizeTime:
+    """The measured time of decode steps of one token count: its mean, over how many, and the last step."""
+
+    mean: float
+    count: int = 0
+    last_step: int = 0
+
+
 class StepTimes:
     """The mean time of recent decode steps by their token count; a count not seen yet is interpolated
     between its nearest seen neighbours, or, past the largest seen, estimated optimistically (so that a
@@ -88,32 +97,30 @@ class StepTimes:
     """
 
     def __init__(self) -> None:
-        self._mean: dict[int, float] = {}
-        self._count: dict[int, int] = {}
-        self._last_step: dict[int, int] = {}
+        self._sizes: dict[int, _SizeTime] = {}
         self._steps = 0
 
     def record(self, tokens: int, seconds: float) -> None:
         self._steps += 1
-        count = self._count.get(tokens, 0) + 1
-        mean = self._mean.get(tokens, seconds)
-        self._mean[tokens] = mean + max(1 / count, STEP_TIME_WEIGHT) * (seconds - mean)
-        self._count[tokens], self._last_step[tokens] = count, self._steps
-        for stale in [n for n, step in self._last_step.items() if self._steps - step >= REMEASURE_AFTER]:
-            del self._mean[stale], self._count[stale], self._last_step[stale]
+        size = self._sizes.setdefault(tokens, _SizeTime(seconds))
+        size.count += 1
+        size.mean += max(1 / size.count, STEP_TIME_WEIGHT) * (seconds - size.mean)
+        size.last_step = self._steps
+        for stale in [n for n, known in self._sizes.items() if self._steps - known.last_step >= REMEASURE_AFTER]:
+            del self._sizes[stale]
 
     def estimate(self, tokens: int) -> float | None:
         """Seconds a decode step of `tokens` takes; None before any step of its size or smaller ran."""
-        if tokens in self._mean:
-            return self._mean[tokens]
-        below = max((n for n in self._mean if n < tokens), default=None)
+        if tokens in self._sizes:
+            return self._sizes[tokens].mean
+        below = max((n for n in self._sizes if n < tokens), default=None)
         if below is None:
             return None
-        above = min((n for n in self._mean if n > tokens), default=None)
+        above = min((n for n in self._sizes if n > tokens), default=None)
         if above is None:
-            return self._mean[below] * (1 + UNSEEN_TOKEN_SHARE * (tokens - below) / below)
+            return self._sizes[below].mean * (1 + UNSEEN_TOKEN_SHARE * (tokens - below) / below)
         share = (tokens - below) / (above - below)
-        return self._mean[below] + share * (self._mean[above] - self._mean[below])
+        return self._sizes[below].mean + share * (self._sizes[above].mean - self._sizes[below].mean)
 
 
 @dataclass
