@@ -129,22 +129,22 @@ def test_stop_strings_max_tokens_and_logprobs_as_without_speculation(
     assert speculating.submit(_greedy(ids, 30, stop=[stop])).wait(120).stop_string == stop
 
 
-def test_constrained_outputs_stay_in_their_grammar_and_equal_unspeculated_ones(
-    model_path: Path, engine: InferenceEngine
-) -> None:
-    """Proposals verified under a grammar. A fresh engine: it verifies proposals at step sizes it has not
-    measured yet, so whether these run does not hang on the step times earlier tests left behind."""
-    speculating = InferenceEngine(
+@pytest.fixture
+def fresh_speculating(model_path: Path) -> Iterator[InferenceEngine]:
+    """A speculating engine of its own: it verifies proposals at step sizes it has not measured yet, so
+    whether a test's proposals run does not hang on the step times earlier tests left behind."""
+    eng = InferenceEngine(
         compile=False,
         model=str(model_path), page_size=16, cache_tokens=4096, max_model_len=1024, speculative_config=NGRAM
     )
-    try:
-        _constrained_outputs_stay_in_their_grammar(speculating, engine)
-    finally:
-        speculating.shutdown()
+    yield eng
+    eng.shutdown()
 
 
-def _constrained_outputs_stay_in_their_grammar(speculating: InferenceEngine, engine: InferenceEngine) -> None:
+def test_constrained_outputs_stay_in_their_grammar_and_equal_unspeculated_ones(
+    fresh_speculating: InferenceEngine, engine: InferenceEngine
+) -> None:
+    speculating = fresh_speculating
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
               "age": {"type": "integer"}}, "required": ["name", "city", "age"]}
     chat = [{"role": "user", "content": 'Return this JSON unchanged: {"name": "Ada", "city": "Oslo", "age": 36}'}]
