@@ -3,7 +3,10 @@ head) replaced by `Int8Linear`: weights quantized to int8 once at load, per outp
 prepacked for torch's own dynamically quantized linear (fbgemm), which quantizes the activations
 at each step. So that one token's outliers set no other token's scale in a packed batch, each row
 is first divided by its own scale (its largest magnitude over 127), which leaves every row spanning
-the same int8 range, and the product is multiplied back by it. CPU only (fbgemm): off the CPU,
+the same int8 range, and the product is multiplied back by it. Where the CPU lacks AVX-512 VNNI,
+fbgemm's product adds pairs of u8 x s8 products in saturating 16-bit lanes (`vpmaddubsw`), so the
+activations take 7 bits there (`reduce_range`, as torch's own fbgemm configs do); with 8 bits a layer's
+outputs came out up to a third of their range off on such a CPU. CPU only (fbgemm): off the CPU,
 `quantization: int8` is int8 weights alone, through torchao (`weight_only.py`).
 
 A step of one row (one sequence decoding) runs the layers on `int8_gemv.c` instead, where the
@@ -27,6 +30,8 @@ from serve_app.model.int8_gemv import Int8Gemv, RowWeights
 from serve_app.model.surgery import replace_modules
 
 INT8_MAX = 127.0
+# fbgemm's saturating pairwise sums need 7-bit activations unless the CPU has VNNI's int32 dot products.
+REDUCE_RANGE = not torch.cpu.get_capabilities().get("avx512_vnni", False)
 
 _PACKED: dict[int, torch.ScriptObject] = {}  # weight id -> prepacked weight
 _ROWS: dict[int, tuple[Int8Gemv, RowWeights]] = {}  # weight id -> (one-row kernel, its weights)
@@ -40,7 +45,7 @@ _ids = itertools.count()
 @torch.library.custom_op("serve_app::int8_linear", mutates_args=())
 def int8_linear(rows: torch.Tensor, weight_id: torch.Tensor, out_features: int) -> torch.Tensor:
     """`rows` [M, in] (fp32) times the prepacked int8 weight `weight_id`: [M, out] in fp32."""
-    return torch.ops.quantized.linear_dynamic(rows, _PACKED[int(weight_id)], False)  # the full 8 bits
+    return torch.ops.quantized.linear_dynamic(rows, _PACKED[int(weight_id)], REDUCE_RANGE)
 
 
 @int8_linear.register_fake
