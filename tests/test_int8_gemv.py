@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from serve_app.model.int8_gemv import Int8Gemv, RowWeights, load_int8_gemv
-from serve_app.model.quantize import Int8Linear
+from serve_app.model.quantize import WEIGHT_MAX, Int8Linear
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,8 @@ def gemv(tmp_path_factory: pytest.TempPathFactory) -> Int8Gemv:
 
 def _int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight` quantized as `Int8Linear` quantizes it: int8, one scale per output channel."""
-    scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
-    return torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    scale = weight.abs().amax(dim=1).clamp(min=1e-8) / WEIGHT_MAX
+    return torch.round(weight / scale[:, None]).clamp(-WEIGHT_MAX, WEIGHT_MAX).to(torch.int8), scale
 
 
 def _exact_product(row: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

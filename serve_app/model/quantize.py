@@ -4,10 +4,13 @@ prepacked for torch's own dynamically quantized linear (fbgemm), which quantizes
 at each step. So that one token's outliers set no other token's scale in a packed batch, each row
 is first divided by its own scale (its largest magnitude over 127), which leaves every row spanning
 the same int8 range, and the product is multiplied back by it. Where the CPU lacks AVX-512 VNNI,
-fbgemm's product adds pairs of u8 x s8 products in saturating 16-bit lanes (`vpmaddubsw`), so the
-activations take 7 bits there (`reduce_range`, as torch's own fbgemm configs do); with 8 bits a layer's
-outputs came out up to a third of their range off on such a CPU. CPU only (fbgemm): off the CPU,
-`quantization: int8` is int8 weights alone, through torchao (`weight_only.py`).
+fbgemm adds pairs of u8 x s8 products in saturating 16-bit lanes (`vpmaddubsw`), and 8-bit weights
+overflow them (a random layer's outputs came out up to a third of their range off): there the weights
+take 7 bits (-63..63). torch's own fbgemm configs take the bit from the activations instead
+(`reduce_range`), which costs more on SmolLM2, whose activations have outlier channels: on a Zen 1
+host `bench quant` gave fp32's next token at 0.842 of positions with 8-bit weights (saturating), 0.828
+with 7-bit activations, 0.898 with 7-bit weights. CPU only (fbgemm): off the CPU, `quantization: int8`
+is int8 weights alone, through torchao (`weight_only.py`).
 
 A step of one row (one sequence decoding) runs the layers on `int8_gemv.c` instead, where the
 kernel builds: the row quantized at its own scale, the int8 weights read once, without fbgemm's
@@ -30,8 +33,8 @@ from serve_app.model.int8_gemv import Int8Gemv, RowWeights
 from serve_app.model.surgery import replace_modules
 
 INT8_MAX = 127.0
-# fbgemm's saturating pairwise sums need 7-bit activations unless the CPU has VNNI's int32 dot products.
-REDUCE_RANGE = not torch.cpu.get_capabilities().get("avx512_vnni", False)
+# The weights' largest magnitude: 7 bits where fbgemm's saturating pair sums need it (no VNNI), else 8.
+WEIGHT_MAX = 127.0 if torch.cpu.get_capabilities().get("avx512_vnni", False) else 63.0
 
 _PACKED: dict[int, torch.ScriptObject] = {}  # weight id -> prepacked weight
 _ROWS: dict[int, tuple[Int8Gemv, RowWeights]] = {}  # weight id -> (one-row kernel, its weights)
@@ -45,7 +48,7 @@ _ids = itertools.count()
 @torch.library.custom_op("serve_app::int8_linear", mutates_args=())
 def int8_linear(rows: torch.Tensor, weight_id: torch.Tensor, out_features: int) -> torch.Tensor:
     """`rows` [M, in] (fp32) times the prepacked int8 weight `weight_id`: [M, out] in fp32."""
-    return torch.ops.quantized.linear_dynamic(rows, _PACKED[int(weight_id)], REDUCE_RANGE)
+    return torch.ops.quantized.linear_dynamic(rows, _PACKED[int(weight_id)], False)
 
 
 @int8_linear.register_fake
@@ -70,7 +73,7 @@ class Int8Linear(torch.nn.Module):
         super().__init__()
         weight = linear.weight.detach().float()  # [out, in]
         self.out_features, self.in_features = weight.shape
-        scale = weight.abs().amax(dim=1).clamp(min=1e-8) / INT8_MAX
+        scale = weight.abs().amax(dim=1).clamp(min=1e-8) / WEIGHT_MAX
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # fbgemm's prepacking takes torch's quantized tensor type, deprecated
             warnings.simplefilter("ignore", UserWarning)
