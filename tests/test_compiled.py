@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from serve_app.bench.servers import ROOT
 from serve_app.config import EngineConfig
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import step_context
+from serve_app.model import quantize
 from serve_app.model.compiled import WARM_UP_SHAPES
 from serve_app.model.onednn_linear import OneDnnLinear
 from tests.adapters import build_adapter
@@ -69,7 +70,34 @@ def _logits(forward, engine: InferenceEngine, entries: list[BatchEntry], keep: l
     return out.logits
 
 
-def test_the_compiled_forward_gives_the_eager_logits(compiled: InferenceEngine) -> None:
+class Int8Products:
+    """Every int8 product of a forward (fbgemm's and the one-row kernel's): recorded on one run with its weight
+    and its input, then handed back on the next, whose inputs must be the recorded ones. A product rounds its
+    input to the int8 grid, where a float-epsilon difference in the glue around it (a fused norm) can move a
+    value across a rounding step; replayed products hold the compiled glue to the eager glue exactly."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.replaying = False
+        linear = torch.ops.quantized.linear_dynamic
+        monkeypatch.setattr(torch.ops.quantized, "linear_dynamic", lambda rows, packed, reduce_range: self._product(
+            id(packed), rows, lambda: linear(rows, packed, reduce_range)))
+        for weight_id, (kernel, weights) in list(quantize._ROWS.items()):
+            monkeypatch.setitem(quantize._ROWS, weight_id, (lambda row, w, kernel=kernel: self._product(
+                id(w), row, lambda: kernel(row, w)), weights))
+
+    def _product(self, weight: int, rows: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if not self.replaying:
+            out = compute()
+            self.calls.append((weight, rows.clone(), out.clone()))
+            return out
+        recorded_weight, recorded_rows, out = self.calls.pop(0)
+        assert weight == recorded_weight
+        torch.testing.assert_close(rows, recorded_rows, rtol=1e-4, atol=1e-4)
+        return out.clone()
+
+
+def test_the_compiled_forward_gives_the_eager_logits(compiled: InferenceEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = compiled.runner
     steps = [
         ([BatchEntry(0, 0, 1)], [0]),  # one decode row
@@ -78,11 +106,16 @@ def test_the_compiled_forward_gives_the_eager_logits(compiled: InferenceEngine) 
         ([BatchEntry(0, 6, 5, verifies=True)], [0, 1, 2, 3, 4]),  # a decode and its proposals (speculative decoding)
         ([BatchEntry(0, 9, 3, verifies=True), BatchEntry(1, 5, 1), BatchEntry(2, 0, 7)], [0, 1, 2, 3, 10]),
     ]
+    products = Int8Products(monkeypatch)
     graphs = counters["stats"]["unique_graphs"]
     for seed, (entries, keep) in enumerate(steps):
+        products.replaying = False
+        ours = _logits(runner.model_forward, compiled, entries, keep, seed)
+        assert len(products.calls) == sum(isinstance(m, quantize.Int8Linear) for m in runner.model.modules())  # none in fp32
+        products.replaying = True
         with torch.compiler.set_stance("force_eager"):  # the layers' own forward, not their compiled graphs
             eager = _logits(runner.model, compiled, entries, keep, seed)
-        ours = _logits(runner.model_forward, compiled, entries, keep, seed)
+        assert not products.calls  # the eager forward took every product the compiled one made, in its order
         assert ours.shape == eager.shape == (1, len(keep), runner.vocab_size)
         torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == graphs  # the start-up's graphs cover every step
