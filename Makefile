@@ -4,8 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
-# Settings that only make it faster (the app runs the same without them; see README, Deploy on a Ray
-# cluster): Ray's workers (the engine replica too) otherwise run at niceness 15; Serve's throughput mode
+# Settings that only make it faster (the app runs the same without them; see docs/deploy.md,
+# Environment variables): Ray's workers (the engine replica too) otherwise run at niceness 15; Serve's throughput mode
 # (user code and routers on each replica's main loop, gRPC between replicas) without its direct
 # ingress, so HTTP stays on the one port of serve_config.yaml, except that on Linux HAProxy (the
 # binary `ray[serve]` installs) serves that port and forwards to the ingress's own HTTP server
