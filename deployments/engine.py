@@ -27,6 +27,8 @@ from serve_app.engine.serving import (
 )
 from serve_app.http.engine_client import ModelInfo
 from serve_app.kv.page_events import PageEventBatch
+from serve_app.metrics.catalog import ENGINE_METRICS, engine_samples
+from serve_app.metrics.ray_mirror import RayMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 REPORT_EVERY_S = 0.1
 # The other stats (token counts and the like) go out with a heartbeat at least this often.
 HEARTBEAT_S = 1.0
+# How often the engine's state is copied into Ray's metrics (Ray exports them every few seconds).
+RAY_METRICS_EVERY_S = 2.0
 
 
 @serve.deployment(name="EngineDeployment", max_ongoing_requests=256, logging_config={"enable_access_log": False})
@@ -61,6 +65,7 @@ class EngineDeployment:
         self._place = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         # On the replica's event loop: Serve handles may be called only from a running loop.
         self._reporter = asyncio.get_running_loop().create_task(self._report_stats())
+        self._metrics = asyncio.get_running_loop().create_task(self._mirror_metrics(RayMetrics(ENGINE_METRICS, totals=True)))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
         async for event in engine_events(self.engine, request):
@@ -106,10 +111,20 @@ class EngineDeployment:
             if lost_track:
                 self.engine.resend_pages()
 
+    async def _mirror_metrics(self, ray_metrics: RayMetrics) -> None:
+        """Copy the engine's state into Ray's metrics every RAY_METRICS_EVERY_S."""
+        while True:
+            await asyncio.sleep(RAY_METRICS_EVERY_S)
+            try:
+                stats = self.engine.latest_stats
+            except EngineProcessError:
+                return
+            ray_metrics.record(engine_samples(stats, self.info.id, self._replica_id))
+
     def __del__(self) -> None:
-        reporter = getattr(self, "_reporter", None)
-        if reporter is not None:
-            reporter.cancel()
+        for task in (getattr(self, "_reporter", None), getattr(self, "_metrics", None)):
+            if task is not None:
+                task.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

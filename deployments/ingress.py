@@ -37,6 +37,9 @@ from serve_app.http.prompt_encoder import PromptEncoder
 from serve_app.http.served_models import ServedModels
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.tenants import TenantDirectory
+from serve_app.metrics.catalog import REQUEST_METRICS
+from serve_app.metrics.prometheus import ServerMetrics
+from serve_app.metrics.ray_mirror import RayMetrics
 from serve_app.model.loader import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -153,8 +156,9 @@ class Ingress:
             model = app_config.model(model_id).engine().model  # its tokenizer, prepared on this node
             prompts = PromptEncoder(resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir))
             clients[model_id] = RayEngineClient(engine, board, prompts)
+        metrics = ServerMetrics(serve.get_replica_context().replica_id.unique_id, RayMetrics(REQUEST_METRICS))
         self.context = ServerContext(
-            ServedModels(clients), server, tenants=tenants, responses=RayResponses(responses)
+            ServedModels(clients), server, metrics, tenants=tenants, responses=RayResponses(responses)
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import secrets
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -172,15 +174,50 @@ class TwoNodeCluster:
         shutil.rmtree(self._temp_dir, ignore_errors=True)
 
 
-def metric_samples(url: str) -> dict[str, float]:
-    """Every sample of `/metrics` by name and labels, e.g. `serve_app_requests_total{finish_reason="length"}`."""
+@dataclass(frozen=True)
+class MetricSamples:
+    """Every sample of a `/metrics` text: (name, labels, value)."""
+
+    samples: list[tuple[str, dict[str, str], float]]
+
+    def total(self, name: str, **labels: str) -> float:
+        """The sum of the samples named `name` whose labels include `labels` (over models and replicas)."""
+        return sum(value for n, have, value in self.samples if n == name and labels.items() <= have.items())
+
+    def labels(self, name: str) -> list[dict[str, str]]:
+        return [have for n, have, _ in self.samples if n == name]
+
+    def names(self) -> set[str]:
+        return {n for n, _, _ in self.samples}
+
+
+def metric_samples(url: str) -> MetricSamples:
+    """Every sample of `/metrics`, e.g. `.total("serve_app:request_success_total", finished_reason="length")`."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return samples
+    return MetricSamples([
+        (sample.name, dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ])
+
+
+def ray_metric_samples(ray_dir: str) -> MetricSamples:
+    """Every sample Ray's metrics agents export for the cluster whose temp dir is `ray_dir` (the targets of
+    its Prometheus service-discovery file), e.g. `ray_serve_app_request_success_total`."""
+    targets = []
+    for path in Path(ray_dir).glob("**/prom_metrics_service_discovery.json"):
+        for entry in json.loads(path.read_text()):
+            targets += entry["targets"]
+    samples: dict[tuple, tuple[str, dict[str, str], float]] = {}
+    for target in sorted(set(targets)):
+        try:
+            text = httpx.get(f"http://{target}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            continue  # an agent still starting
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:  # a sample more than one endpoint serves counts once
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = (sample.name, dict(sample.labels), sample.value)
+    return MetricSamples(list(samples.values()))
 
 
 def random_ids(seed: int, count: int) -> list[int]:

@@ -42,7 +42,7 @@ def evict(url: str, kv: KVContext, ids: list[int]) -> None:
 
 
 def _host_hits(url: str) -> float:
-    return metric_samples(url)['serve_app_prefix_cache_hit_tokens_total{tier="host"}']
+    return metric_samples(url).total("serve_app:prefix_cache_tier_hits_total", tier="host")
 
 
 def test_an_evicted_prefix_comes_back_from_the_host_tier(app: ServeRun) -> None:
@@ -57,8 +57,8 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(app: ServeRun) -> None:
     assert warm_cached >= 1984 and warm_cached == (PREFIX - 1) // PAGE * PAGE
     assert warm == cold
     samples = metric_samples(app.url)
-    assert samples['serve_app_prefix_cache_hit_tokens_total{tier="host"}'] - before == warm_cached
-    assert samples['serve_app_kv_tier_bytes{tier="host"}'] >= PREFIX // PAGE * PAGE * 46080  # bytes a token's KV takes
+    assert samples.total("serve_app:prefix_cache_tier_hits_total", tier="host") - before == warm_cached
+    assert samples.total("serve_app:kv_tier_bytes", tier="host") >= PREFIX // PAGE * PAGE * 46080  # bytes a token's KV takes
     _, cached = greedy_completion(app.url, ids[: 10 * PAGE + 1], salt="another-tenant")
     assert cached == 0 and _host_hits(app.url) - before == warm_cached  # no hit anywhere for the other salt
 

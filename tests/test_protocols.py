@@ -215,6 +215,8 @@ def test_not_ready_engine_answers_503(engine: InferenceEngine) -> None:
 
 
 def test_stats_and_metrics_count_a_request(server: InProcessServer, oai: openai.OpenAI, engine: InferenceEngine) -> None:
+    """vLLM's metric names in the `serve_app:` namespace, each labelled with the model and the replica, move by
+    what one request amounts to."""
     stats_before, before = httpx.get(f"{server.url}/stats", timeout=10).json(), metric_samples(server.url)
     reply = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     stats = httpx.get(f"{server.url}/stats", timeout=10).json()
@@ -223,19 +225,32 @@ def test_stats_and_metrics_count_a_request(server: InProcessServer, oai: openai.
     assert stats["active_tasks"] == 0 and stats["kv_pages_total"] == engine.get_stats()["kv_pages_total"]
     after = metric_samples(server.url)
 
-    def grew(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
+    def grew(name: str, **labels: str) -> float:
+        return after.total(f"serve_app:{name}", **labels) - before.total(f"serve_app:{name}", **labels)
 
-    assert grew('serve_app_requests_total{finish_reason="length"}') == 1
-    assert grew("serve_app_prompt_tokens_total") == reply.usage.prompt_tokens
-    assert grew("serve_app_generation_tokens_total") == 4
-    assert grew("serve_app_time_to_first_token_seconds_count") == 1
-    assert 1 <= grew("serve_app_time_per_output_token_seconds_count") <= 3  # a merged delta's tokens share one gap
-    assert after["serve_app_requests_running"] == 0 and after["serve_app_requests_waiting"] == 0
+    assert grew("request_success_total", finished_reason="length") == 1
+    assert grew("request_success_total") == 1
+    assert grew("prompt_tokens_total") == reply.usage.prompt_tokens
+    assert grew("generation_tokens_total") == 4
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert grew(f"{histogram}_count") == 1, histogram
+    assert 1 <= grew("inter_token_latency_seconds_count") <= 3  # a merged delta's tokens share one gap
+    assert 0 <= grew("request_queue_time_seconds_sum") < grew("time_to_first_token_seconds_sum")
+    assert grew("time_to_first_token_seconds_sum") < grew("e2e_request_latency_seconds_sum")
+    assert grew("engine_requests_total") == 1
+    assert grew("prefix_cache_queries_total") == reply.usage.prompt_tokens
+    hits = stats["prefix_cache_hit_tokens"] - stats_before["prefix_cache_hit_tokens"]
+    assert grew("prefix_cache_hits_total") == hits == reply.usage.prompt_tokens_details.cached_tokens
+    assert grew("prefix_cache_tier_hits_total", tier="pool") == hits
+    assert after.total("serve_app:prefix_cache_tier_hits_total", tier="host") == 0  # this engine has no tiers
+    assert after.total("serve_app:num_requests_running") == 0 and after.total("serve_app:num_requests_waiting") == 0
     used = 1 - stats["kv_pages_free"] / stats["kv_pages_total"]
-    assert after["serve_app_kv_cache_usage_ratio"] == pytest.approx(used)
-    assert after['serve_app_prefix_cache_hit_tokens_total{tier="pool"}'] == stats["prefix_cache_hit_tokens"]
-    assert after['serve_app_prefix_cache_hit_tokens_total{tier="host"}'] == 0  # this engine has no tiers
+    assert after.total("serve_app:kv_cache_usage_perc") == pytest.approx(used)
+    ours = [name for name in after.names() if name.startswith("serve_app:")]
+    assert len(ours) >= 20
+    for name in ours:
+        for labels in after.labels(name):
+            assert labels["model_name"] == MODEL and labels["replica"] == "in-process", (name, labels)
 
 
 def test_disconnect_mid_stream_cancels_and_frees(server: InProcessServer, engine: InferenceEngine) -> None:

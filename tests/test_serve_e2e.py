@@ -22,7 +22,7 @@ from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import connect, create_request, make_post_completion
 from tests.agent_runs import weather_agent_answer
 from tests.inprocess import anthropic_client, openai_client
-from tests.served import check_routing_across_an_idle_spell
+from tests.served import check_routing_across_an_idle_spell, metric_samples, ray_metric_samples
 
 MODEL = "smollm2-135m-instruct"
 
@@ -81,6 +81,52 @@ def test_the_cards_command_answers_its_first_request_then_twenty_streams(served:
 
 def test_routing_in_serves_default_mode_and_after_the_router_idled(served: ServeRun) -> None:
     check_routing_across_an_idle_spell(served.url)
+
+
+def test_metrics_name_the_model_and_each_replica_and_reach_rays_metrics(served: ServeRun, oai: openai.OpenAI) -> None:
+    """The ingress's /metrics labels its request metrics with its own replica and the engines' state with each
+    engine replica; Ray's metrics agents export the same numbers (`ray_serve_app_*`) once Ray has pushed them."""
+    before = metric_samples(served.url)
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    engines = set(httpx.get(f"{served.url}/stats/replicas", timeout=10).json())
+    _wait_idle(served)
+    deadline = time.monotonic() + 30  # the board hears of the engine's counts within a heartbeat
+    while True:
+        after = metric_samples(served.url)
+        queried = after.total("serve_app:prefix_cache_queries_total") - before.total("serve_app:prefix_cache_queries_total")
+        if queried >= reply.usage.prompt_tokens or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert queried == reply.usage.prompt_tokens
+    assert after.total("serve_app:request_success_total", finished_reason="length") - before.total(
+        "serve_app:request_success_total", finished_reason="length") == 1
+    assert after.total("serve_app:generation_tokens_total") - before.total("serve_app:generation_tokens_total") == 5
+    assert after.total("serve_app:request_queue_time_seconds_count") > before.total("serve_app:request_queue_time_seconds_count")
+    ingress = {labels["replica"] for labels in after.labels("serve_app:e2e_request_latency_seconds_count")}
+    assert len(ingress) == 1 and not ingress & engines
+    assert {labels["replica"] for labels in after.labels("serve_app:kv_cache_usage_perc")} == engines
+    for name in after.names():
+        for labels in after.labels(name):
+            assert not name.startswith("serve_app:") or labels["model_name"] == MODEL, (name, labels)
+    # One counter, gauge and histogram through Ray's metrics: the same counts as /metrics.
+    wanted = {
+        "ray_serve_app_request_success_total": after.total("serve_app:request_success_total"),
+        "ray_serve_app_prefix_cache_queries_total": after.total("serve_app:prefix_cache_queries_total"),
+        "ray_serve_app_e2e_request_latency_seconds_count": after.total("serve_app:e2e_request_latency_seconds_count"),
+        "ray_serve_app_num_requests_running": 0,
+    }
+    deadline = time.monotonic() + 90
+    while True:
+        exported = ray_metric_samples(served.ray_dir)
+        seen = {name: exported.total(name, model_name=MODEL) for name in wanted if exported.labels(name)}
+        if seen == wanted or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert seen == wanted
+    assert {labels["replica"] for labels in exported.labels("ray_serve_app_num_requests_running")} == engines
 
 
 def test_chat_multi_turn_with_system_prompt(oai: openai.OpenAI, engine: InferenceEngine) -> None:

@@ -173,10 +173,10 @@ def test_streamed_chat_through_the_openai_sdk_and_the_metrics(speculating: Infer
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == whole.choices[0].message.content and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
         samples = metric_samples(server.url)
-    proposed = samples["serve_app_spec_decode_num_draft_tokens_total"]
-    accepted = samples["serve_app_spec_decode_num_accepted_tokens_total"]
+    proposed = samples.total("serve_app:spec_decode_num_draft_tokens_total")
+    accepted = samples.total("serve_app:spec_decode_num_accepted_tokens_total")
     assert proposed >= accepted > 0
-    assert samples["serve_app_spec_decode_acceptance_rate"] == pytest.approx(accepted / proposed)
+    assert samples.total("serve_app:spec_decode_acceptance_rate") == pytest.approx(accepted / proposed)
 
 
 def test_seeded_sampling_repeats_itself(speculating: InferenceEngine) -> None:

@@ -424,6 +424,7 @@ class InferenceEngine:
             "waiting_queue": waiting,
             "kv_pages_total": usage.total,
             "kv_pages_free": usage.free,
+            "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
             "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
             "prompt_tokens": stats.prompt_tokens,
             "prefill_tokens": stats.prefill_tokens,

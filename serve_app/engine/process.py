@@ -278,6 +278,8 @@ class EngineProcess:
             return
         if delta.usage is not None:  # the engine's count of prompt tokens found in the prefix cache
             result.set_cached_tokens(delta.usage.cached_tokens)
+        if delta.queue_time_s is not None:
+            result.set_queue_time(delta.queue_time_s)
         result.publish(delta)
 
     def _abort_accepted(self, future: Future) -> None:

@@ -128,6 +128,7 @@ class StreamDelta:
     stop_string: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    queue_time_s: float | None = None  # on the first delta: how long the request waited to be admitted
 
 
 def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
@@ -141,6 +142,7 @@ def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
         token_ids=tuple(t for d in deltas for t in d.token_ids),
         logprobs=tuple(lp for d in deltas for lp in d.logprobs),
         usage=last.usage or next((d.usage for d in deltas if d.usage is not None), None),
+        queue_time_s=next((d.queue_time_s for d in deltas if d.queue_time_s is not None), None),
     )
 
 
@@ -155,6 +157,7 @@ class GenerateResult:
     finish_reason: FinishReason | None = None
     error: str | None = None
     cached_tokens: int = 0
+    queue_time_s: float | None = None
     stop_string: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     _deltas: list[StreamDelta] = field(default_factory=list, repr=False)
@@ -174,7 +177,8 @@ class GenerateResult:
     def publish(self, delta: StreamDelta) -> None:
         """Called by the scheduler thread: record a delta and wake every waiter.
 
-        The first and the final delta (the one with a finish reason) carry the request's usage.
+        The first and the final delta (the one with a finish reason) carry the request's usage; the first
+        its queue time too.
         """
         with self._done:
             self.text += delta.text
@@ -184,7 +188,9 @@ class GenerateResult:
                 self.finish_reason = delta.finish_reason
                 self.error = delta.error
                 self.stop_string = delta.stop_string
-            if delta.finish_reason is not None or not self._deltas:
+            if not self._deltas:
+                delta = replace(delta, usage=self.usage, queue_time_s=self.queue_time_s)
+            elif delta.finish_reason is not None:
                 delta = replace(delta, usage=self.usage)
             self._deltas.append(delta)
             self._new_delta.set()
@@ -209,6 +215,11 @@ class GenerateResult:
     def set_cached_tokens(self, count: int) -> None:
         with self._done:
             self.cached_tokens = count
+
+    def set_queue_time(self, seconds: float) -> None:
+        """How long the request waited from submission to its first admission."""
+        with self._done:
+            self.queue_time_s = seconds
 
     def wait(self, timeout: float | None = None) -> GenerateResult:
         """Block until the request has finished; raise TimeoutError after `timeout` seconds."""

@@ -44,7 +44,8 @@ class SchedulerStats:
     total_tokens: int = 0
     prompt_tokens: int = 0
     prefill_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
+    prefix_cache_queried_tokens: int = 0  # tokens looked up in the prefix cache at each admission
+    prefix_cache_hit_tokens: int = 0  # of those, tokens found there (in the pool or a KV tier)
     preemptions: int = 0
     steps: int = 0
 
@@ -353,11 +354,13 @@ class InferenceScheduler:
             task.num_computed = cached
             task.state = TaskState.RUNNING
             self.running.append(task)
+            self.stats.prefix_cache_queried_tokens += task.num_tokens
             self.stats.prefix_cache_hit_tokens += cached
             if not task.admitted_once:
                 task.admitted_once = True
                 self.stats.prompt_tokens += task.prompt_len
                 task.result.set_cached_tokens(cached)
+                task.result.set_queue_time(time.monotonic() - task.submitted_at)
 
     def _build_batch(self) -> tuple[list[BatchEntry], list[Task]]:
         """Every decode token (and its proposals, where speculating), then prefill chunks while the token

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -58,6 +59,7 @@ class Task:
     num_computed: int = 0
     admitted_once: bool = False
     tiers_asked: bool = False  # the KV tiers were asked for its prompt's pages since it last waited
+    submitted_at: float = field(default_factory=time.monotonic)
     loaded: LoadedPages | None = None  # pages the tiers gave it, until it is admitted
     drafts: list[int] = field(default_factory=list)  # tokens proposed for this step, verified after its forward
     speculation: TaskSpeculation | None = None  # its n-grams and how its proposals fared, once it has proposed

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from serve_app.config import ServerConfig
-from serve_app.http.metrics import ServerMetrics
 from serve_app.http.protocols.errors import ProtocolError, invalid
 from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.response_store import LocalResponses, Responses, ResponseStore
@@ -19,6 +18,7 @@ from serve_app.http.tenants import (
     TenantSlots,
     check_client_salt,
 )
+from serve_app.metrics.prometheus import ServerMetrics
 
 
 @dataclass

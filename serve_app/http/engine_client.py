@@ -64,7 +64,8 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """Each engine replica's stats (and, on a Ray cluster, its `node_id` and `pid`), by replica id."""
+        """Each engine replica's stats, its `model` (and, on a Ray cluster, its `node_id` and `pid`), by replica
+        id; on a Ray cluster, the replicas of every model."""
 
     @abstractmethod
     async def routing_stats(self) -> dict[str, dict[str, float]]:
@@ -120,7 +121,7 @@ class LocalEngineClient(EngineClient):
         return self.engine.get_stats()
 
     async def replica_stats(self) -> dict[str, dict[str, Any]]:
-        return {"in-process": self.engine.get_stats()}
+        return {"in-process": {"model": self.info.id, **self.engine.get_stats()}}
 
     async def routing_stats(self) -> dict[str, dict[str, float]]:
         return {}  # one engine in process: nothing to route between

@@ -23,6 +23,7 @@ from serve_app.http.protocols.errors import (
     from_validation_error,
 )
 from serve_app.http.streaming import ClosingStreamingResponse
+from serve_app.metrics.catalog import RequestTiming
 
 if TYPE_CHECKING:
     from serve_app.http.protocols.limits import RequestLimits
@@ -136,7 +137,7 @@ class RequestObserver(ABC):
     """Told about each request's timing and outcome (the server's metrics)."""
 
     @abstractmethod
-    def on_finish(self, ttft: float | None, gaps: Sequence[float], choice: Choice) -> None: ...
+    def on_finish(self, model_name: str, timing: RequestTiming, choice: Choice) -> None: ...
 
 
 class ProtocolHandler:
@@ -146,6 +147,7 @@ class ProtocolHandler:
         self.builder = builder
         self.engine = engine
         self.observer = observer
+        self.model_name = ""  # the served model's id, once the request is prepared
 
     async def handle(
         self,
@@ -161,7 +163,9 @@ class ProtocolHandler:
         try:
             if not await self.engine.ready():
                 raise ProtocolError("not_ready", "Engine not initialized")
-            prepared = self.builder.prepare(body, await self.engine.model_info())
+            info = await self.engine.model_info()
+            self.model_name = info.id
+            prepared = self.builder.prepare(body, info)
             if limits is not None:
                 builder = self.builder
                 prepared = limits.apply(prepared, builder.stop_param, builder.max_tokens_param, builder.messages_param)
@@ -231,23 +235,32 @@ class ProtocolHandler:
         if self.observer is None:
             return
         for stream, choice in zip(streams, choices):
-            self.observer.on_finish(stream.ttft, stream.gaps, choice)
+            self.observer.on_finish(self.model_name, stream.timing(), choice)
 
 
 class _TimedStream:
-    """An engine stream that remembers when its token-carrying deltas arrived."""
+    """An engine stream that remembers when its token-carrying deltas arrived, and when it ended."""
 
     def __init__(self, stream: AsyncIterator[StreamDelta]) -> None:
         self.stream = stream
         self.start = time.perf_counter()
         self.ttft: float | None = None
         self.gaps: list[float] = []
+        self.queue_time: float | None = None
+        self.e2e: float | None = None
         self._last = 0.0
+
+    def timing(self) -> RequestTiming:
+        return RequestTiming(self.ttft, tuple(self.gaps), self.queue_time, self.e2e)
 
     async def next(self) -> StreamDelta:
         delta = await self.stream.__anext__()
+        now = time.perf_counter()
+        if delta.queue_time_s is not None:
+            self.queue_time = delta.queue_time_s
+        if delta.finish_reason is not None:
+            self.e2e = now - self.start
         if delta.token_ids:
-            now = time.perf_counter()
             if self.ttft is None:
                 self.ttft = now - self.start
             else:

@@ -7,10 +7,10 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from serve_app.http.context import context_of
-from serve_app.http.metrics import CONTENT_TYPE
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.http.routes.answering import answers_in
+from serve_app.metrics.prometheus import CONTENT_TYPE
 
 router = APIRouter()
 answers = answers_in(ChatCompletionsBuilder())  # errors in OpenAI's shape
@@ -73,4 +73,5 @@ async def routing_stats(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     context = context_of(request)
     context.caller(request, admin=True)
-    return Response(context.metrics.render(await context.models.first.stats()), media_type=CONTENT_TYPE)
+    replicas = await context.models.first.replica_stats()  # every engine replica of every model
+    return Response(context.metrics.render(replicas), media_type=CONTENT_TYPE)

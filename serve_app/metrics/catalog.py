@@ -1,0 +1,158 @@
+"""Every metric the server exports: its name, kind and meaning (vLLM's wherever vLLM has one), and the
+samples that a finished request or an engine replica's stats amount to.
+
+Each sample carries `model_name` and `replica`: the ingress replica that saw a request finish, or the
+engine replica whose state it is."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from serve_app.kv.tiers.pages import TIER_NAMES
+
+NAMESPACE = "serve_app"
+COMMON_LABELS = ("model_name", "replica")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric; `name` is without the namespace, and a counter's without `_total`."""
+
+    name: str
+    kind: Literal["counter", "gauge", "histogram"]
+    help: str
+    labels: tuple[str, ...] = ()  # beyond COMMON_LABELS
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return (*COMMON_LABELS, *self.labels)
+
+
+@dataclass(frozen=True)
+class Sample:
+    spec: MetricSpec
+    value: float
+    labels: dict[str, str] = field(default_factory=dict)  # COMMON_LABELS and the spec's own
+
+
+# Observed at the ingress as each request (each choice) finishes.
+REQUEST_SUCCESS = MetricSpec(
+    "request_success", "counter", "Finished requests (choices) by finish reason, error and cancelled included.",
+    ("finished_reason",),
+)
+PROMPT_TOKENS = MetricSpec("prompt_tokens", "counter", "Prompt tokens of finished requests.")
+GENERATION_TOKENS = MetricSpec("generation_tokens", "counter", "Generated tokens of finished requests.")
+TIME_TO_FIRST_TOKEN = MetricSpec("time_to_first_token_seconds", "histogram", "Time from arrival to the first token.")
+INTER_TOKEN_LATENCY = MetricSpec("inter_token_latency_seconds", "histogram", "Time between output tokens.")
+E2E_REQUEST_LATENCY = MetricSpec("e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.")
+REQUEST_QUEUE_TIME = MetricSpec(
+    "request_queue_time_seconds", "histogram", "Time a request waited in its engine's queue before admission."
+)
+REQUEST_METRICS = (
+    REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS,
+    TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
+)
+
+# An engine replica's state, from its stats.
+RUNNING = MetricSpec("num_requests_running", "gauge", "Requests being generated.")
+WAITING = MetricSpec("num_requests_waiting", "gauge", "Requests waiting to be admitted.")
+KV_CACHE_USAGE = MetricSpec(
+    "kv_cache_usage_perc", "gauge",
+    "KV cache pages held by requests, as a fraction (1 = full; cached pages no request holds count as free).",
+)
+PREFIX_CACHE_QUERIES = MetricSpec(
+    "prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache, once per admission."
+)
+PREFIX_CACHE_HITS = MetricSpec(
+    "prefix_cache_hits", "counter", "Of those, tokens found cached (in the page pool or a KV tier)."
+)
+PREFIX_CACHE_TIER_HITS = MetricSpec(
+    "prefix_cache_tier_hits", "counter", "Prefix-cache hit tokens by where they were found.", ("tier",)
+)
+ENGINE_REQUESTS = MetricSpec("engine_requests", "counter", "Requests this engine replica was given (how routing spread them).")
+PREEMPTIONS = MetricSpec("num_preemptions", "counter", "Requests preempted (their KV freed, recomputed later).")
+SPEC_DECODE = {
+    stat: MetricSpec(f"spec_decode_{name}", "counter", text)
+    for stat, name, text in (
+        ("drafts", "num_drafts", "Decode rows verified with proposed tokens."),
+        ("draft_tokens", "num_draft_tokens", "Tokens proposed."),
+        ("accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted."),
+        ("emitted_tokens", "num_emitted_tokens", "Tokens the verified rows emitted: accepted ones plus one each."),
+    )
+}
+SPEC_DECODE_ACCEPTANCE = MetricSpec("spec_decode_acceptance_rate", "gauge", "Proposed tokens accepted, as a share.")
+KV_TIER_BYTES = MetricSpec("kv_tier_bytes", "gauge", "Bytes of KV pages a tier holds.", ("tier",))
+KV_TIER_EVICTIONS = MetricSpec("kv_tier_evictions", "counter", "KV pages a tier let go to make room.", ("tier",))
+KV_TIER_CORRUPT = MetricSpec("kv_tier_corrupt_pages", "counter", "Disk page files found corrupt (recomputed).")
+ENGINE_METRICS = (
+    RUNNING, WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_TIER_HITS,
+    ENGINE_REQUESTS, PREEMPTIONS, *SPEC_DECODE.values(), SPEC_DECODE_ACCEPTANCE,
+    KV_TIER_BYTES, KV_TIER_EVICTIONS, KV_TIER_CORRUPT,
+)
+
+
+def full_name(spec: MetricSpec, separator: str = ":") -> str:
+    """`serve_app:<name>` as Prometheus reads the ingress; Ray's metrics take `_` for the separator."""
+    return f"{NAMESPACE}{separator}{spec.name}"
+
+
+def engine_samples(stats: dict[str, Any], model_name: str, replica: str) -> Iterator[Sample]:
+    """What one engine replica's stats (`InferenceEngine.get_stats`) amount to."""
+    common = {"model_name": model_name, "replica": replica}
+
+    def sample(spec: MetricSpec, value: float, **labels: str) -> Sample:
+        return Sample(spec, value, {**common, **labels})
+
+    yield sample(RUNNING, stats.get("active_tasks", 0))
+    yield sample(WAITING, stats.get("waiting_queue", 0))
+    total = stats.get("kv_pages_total", 0)
+    yield sample(KV_CACHE_USAGE, (total - stats.get("kv_pages_free", 0)) / total if total else 0.0)
+    yield sample(PREFIX_CACHE_QUERIES, stats.get("prefix_cache_queried_tokens", 0))
+    yield sample(PREFIX_CACHE_HITS, stats.get("prefix_cache_hit_tokens", 0))
+    for tier in ("pool", *TIER_NAMES):
+        yield sample(PREFIX_CACHE_TIER_HITS, stats.get(f"prefix_cache_hit_tokens_{tier}", 0), tier=tier)
+    yield sample(ENGINE_REQUESTS, stats.get("total_tasks", 0))
+    yield sample(PREEMPTIONS, stats.get("preemptions", 0))
+    for stat, spec in SPEC_DECODE.items():
+        yield sample(spec, stats.get(f"spec_decode_{stat}", 0))
+    proposed = stats.get("spec_decode_draft_tokens", 0)
+    yield sample(SPEC_DECODE_ACCEPTANCE, stats.get("spec_decode_accepted_tokens", 0) / proposed if proposed else 0.0)
+    for tier in TIER_NAMES:
+        if f"kv_tier_{tier}_bytes" in stats:
+            yield sample(KV_TIER_BYTES, stats[f"kv_tier_{tier}_bytes"], tier=tier)
+            yield sample(KV_TIER_EVICTIONS, stats[f"kv_tier_{tier}_evictions"], tier=tier)
+    if "kv_tier_disk_corrupt_pages" in stats:
+        yield sample(KV_TIER_CORRUPT, stats["kv_tier_disk_corrupt_pages"])
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """When one request's tokens came, as its ingress saw them (queue time as its engine measured it)."""
+
+    ttft_s: float | None = None  # None: no token came
+    gaps_s: tuple[float, ...] = ()
+    queue_time_s: float | None = None  # None: never admitted
+    e2e_s: float | None = None  # None: it did not finish (closed before its last delta)
+
+
+def request_samples(
+    model_name: str, replica: str, timing: RequestTiming, finished_reason: str, prompt_tokens: int, generated: int
+) -> list[Sample]:
+    """What one finished request (one choice) amounts to: counter samples are increments, histogram samples
+    observations."""
+    common = {"model_name": model_name, "replica": replica}
+    samples = [
+        Sample(REQUEST_SUCCESS, 1, {**common, "finished_reason": finished_reason}),
+        Sample(PROMPT_TOKENS, prompt_tokens, common),
+        Sample(GENERATION_TOKENS, generated, common),
+    ]
+    for spec, value in (
+        (TIME_TO_FIRST_TOKEN, timing.ttft_s), (REQUEST_QUEUE_TIME, timing.queue_time_s), (E2E_REQUEST_LATENCY, timing.e2e_s),
+    ):
+        if value is not None:
+            samples.append(Sample(spec, value, common))
+    samples.extend(Sample(INTER_TOKEN_LATENCY, gap, common) for gap in timing.gaps_s)
+    return samples
