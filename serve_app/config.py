@@ -190,7 +190,18 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "max_consecutive_failed_steps": ("scheduler", "max_consecutive_failed_steps"),
     "kv_tiers": ("tiers", ""),  # the whole section: {host_bytes: 4GiB, disk_path: ..., cluster: true}
     "speculative_config": ("speculative", ""),  # the whole section: {method: ngram, num_speculative_tokens: 4}
+    "log_level": ("logging", "log_level"),
+    "log_stats_interval_s": ("logging", "log_stats_interval_s"),
 }
+
+
+class LoggingConfig(_Strict):
+    """What the engine logs."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="the engine's log level")
+    log_stats_interval_s: float = Field(
+        10.0, ge=0, description="seconds between the engine's throughput lines while it is busy; 0: none"
+    )
 
 
 class EngineConfig(_Strict):
@@ -201,6 +212,7 @@ class EngineConfig(_Strict):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     tiers: KVTiersConfig = Field(default_factory=KVTiersConfig)
     speculative: SpeculativeConfig | None = None
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")
     def _check_batch_fits(self) -> EngineConfig:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from serve_app.config import EngineConfig, ToolFormat
+from serve_app.engine.activity_log import ActivityLog, log_start
 from serve_app.engine.calls import (
     CountTokens,
     EngineCall,
@@ -99,6 +100,7 @@ class InferenceEngine:
         if kv_cache is not None:
             options["kv_cache"] = kv_cache
         self.config = (config or EngineConfig()).with_options(**options)
+        logging.getLogger("serve_app").setLevel(self.config.logging.log_level.upper())
         self.runner, self.cache = _on_a_thread_of_its_own(self._load)
         self.max_model_len = self.runner.max_model_len
         chosen = self.config.model.tool_call_format
@@ -118,6 +120,9 @@ class InferenceEngine:
         self._task_ids = itertools.count(1)
         self.created = int(time.time())
         self.scheduler.start()
+        log_start(self)
+        interval = self.config.logging.log_stats_interval_s
+        self._activity = ActivityLog(self.get_stats, interval) if interval > 0 else None
 
     def _load(self) -> tuple[ModelRunner, KVCache]:
         runner = ModelRunner(self.config.model)
@@ -459,6 +464,8 @@ class InferenceEngine:
 
     def shutdown(self) -> None:
         """Stop the scheduler thread; unfinished requests end as cancelled."""
+        if self._activity is not None:
+            self._activity.stop()
         self.scheduler.stop()
         if self.tiers is not None:
             self.tiers.close()
