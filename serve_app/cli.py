@@ -1,10 +1,12 @@
-"""The `serve-app` console script: `prepare-model` and the `bench` commands."""
+"""The `serve-app` console script: `serve` (the app, as `serve run` runs it), `prepare-model` and the `bench`
+commands."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from typing import Any
 
 from serve_app.config import DEFAULT_MODEL, default_cache_dir
 
@@ -17,6 +19,14 @@ def _prepare_model(args: argparse.Namespace) -> None:
     except ModelNotFoundError as exc:
         sys.exit(f"serve-app: {exc}")
     print(path)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    """Serve's own `serve run CONFIG`, in this process (the same command the README gives)."""
+    from ray.serve.scripts import cli
+
+    address = ["--address", args.address] if args.address else []
+    cli.main(args=["run", *address, str(args.config)], prog_name="serve")
 
 
 def _bench_engine(args: argparse.Namespace) -> None:
@@ -134,9 +144,61 @@ def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each option's help followed by its default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default is None or default is False or default == argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parser whose help shows defaults; the options that several commands share get their one help text."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def format_help(self) -> str:
+        for action in self._actions:
+            if action.help is None and action.dest in _SHARED_HELP:
+                action.help = _SHARED_HELP[action.dest]
+        return super().format_help()
+
+
+# The help of the options several commands share: one name, one meaning.
+_SHARED_HELP = {
+    "model": "the model: an embedded model name or a local Hugging Face folder",
+    "json": "also write the report to this JSON file",
+    "seed": "seed of the prompt set",
+    "max_tokens": "new tokens per request",
+    "requests": "number of requests",
+    "concurrency": "requests in flight; a comma list sweeps, e.g. 1,8,32",
+    "device": "where it runs: cpu, cuda, cuda:N",
+    "quantization": "the model's weights: none or int8",
+    "page_size": "tokens per KV page",
+    "rounds": "rounds to repeat (alternating where it compares)",
+    "conversations": "conversations",
+    "turns": "turns per conversation",
+    "max_model_len": "context limit per request",
+    "cache_tokens": "the KV cache's size, in tokens",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="serve-app", description="An LLM inference server and its tools.")
+    parser = _Parser(prog="serve-app", description="An LLM inference server and its tools.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the app: `serve run CONFIG`, as the README says")
+    serve.add_argument("config", nargs="?", default="serve_config.yaml", help="the Serve config (default: %(default)s)")
+    serve.add_argument(
+        "--address", default=None,
+        help="the Ray cluster to run on (default: $RAY_ADDRESS, else the one `ray start` started here, else a new one)",
+    )
+    serve.set_defaults(func=_serve)
 
     prepare = commands.add_parser("prepare-model", help="make a model ready to load (the embedded one is converted once)")
     prepare.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="an embedded model name or a local folder")
@@ -146,19 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     engine = bench.add_parser("engine", help="the in-process engine: throughput, TTFT and TPOT")
     engine.add_argument("--model", default=DEFAULT_MODEL)
-    engine.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous"])
-    engine.add_argument("--prompts", type=int, default=64, help="number of prompts")
+    engine.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous"], help="the KV cache: paged (pages shared by prefix) or contiguous (a slot per request)")
+    engine.add_argument("--requests", type=int, default=64)
     engine.add_argument("--concurrency", type=_int_list, default=[16], help="requests in flight; a list sweeps: 1,8,32")
     engine.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     engine.add_argument("--seed", type=int, default=0, help="seed of the prompt set")
     engine.add_argument("--json", default=None, help="also write the rows to this JSON file")
     engine.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward (the default)"
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward"
     )
     engine.set_defaults(func=_bench_engine)
 
     compare = bench.add_parser("compare", help="this engine and server against transformers, side by side")
-    compare.add_argument("--prompts", type=int, default=128, help="number of prompts")
+    compare.add_argument("--requests", type=int, default=128)
     compare.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     compare.add_argument(
         "--concurrency", type=_int_list, default=[1, 16, 64, 128], help="requests in flight for engine and http; a list sweeps"
@@ -177,15 +239,15 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--gguf", action="append", default=[], help="a GGUF for llama-server (repeat for several)")
     compare.add_argument("--device", default="cpu", help="where the in-process systems run: cpu, cuda, cuda:N")
     compare.add_argument("--dtype", default="float32", help="their dtype: float32, bfloat16, float16")
-    compare.add_argument("--sequential-prompts", type=int, default=8, help="prompts for one-at-a-time generate (it is slow)")
-    compare.add_argument("--single-client-prompts", type=int, default=16, help="prompts at concurrency 1 (it is slow)")
+    compare.add_argument("--sequential-requests", type=int, default=8, help="requests for one-at-a-time generate (it is slow)")
+    compare.add_argument("--single-client-requests", type=int, default=16, help="requests at concurrency 1 (it is slow)")
     compare.add_argument("--seed", type=int, default=0)
     compare.add_argument("--json", default=None, help="write the report here")
     compare.add_argument("--plot", default=None, help="write a PNG plot here")
     compare.set_defaults(func=_bench_compare)
 
     serve = bench.add_parser("serve", help="load a running server: a concurrency sweep or a Poisson request rate")
-    serve.add_argument("--url", default="http://127.0.0.1:8000")
+    serve.add_argument("--url", default="http://127.0.0.1:8000", help="the server's URL, without /v1")
     serve.add_argument("--model", default=None, help="the served model name (asked from /v1/models by default)")
     serve.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="requests in flight; a list sweeps")
     serve.add_argument("--rate", type=float, default=None, help="requests per second (Poisson) instead of a sweep")
@@ -199,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefix = bench.add_parser("prefix", help="a shared long system prompt: cold then warm, prefix caching on and off")
     prefix.add_argument("--model", default=DEFAULT_MODEL)
     prefix.add_argument("--system-tokens", type=int, default=1000, help="length of the shared system prompt")
-    prefix.add_argument("--warm-requests", type=int, default=6)
+    prefix.add_argument("--warm-requests", type=int, default=6, help="requests that reuse the cached system prompt")
     prefix.add_argument("--max-tokens", type=int, default=16)
     prefix.add_argument("--seed", type=int, default=0)
     prefix.add_argument("--json", default=None)
@@ -221,19 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
     spec = bench.add_parser("spec", help="n-gram speculative decoding against none, side by side: one client on "
                             "input-grounded chats, then many on the standard chat prompts")
     spec.add_argument("--model", default=DEFAULT_MODEL)
-    spec.add_argument("--grounded-prompts", type=int, default=16, help="chats that copy, quote or edit their input")
-    spec.add_argument("--grounded-max-tokens", type=int, default=128)
-    spec.add_argument("--chat-prompts", type=int, default=128)
-    spec.add_argument("--chat-max-tokens", type=int, default=64)
-    spec.add_argument("--clients", type=int, default=64, help="concurrency on the standard chat prompts")
-    spec.add_argument("--num-speculative-tokens", type=int, default=4)
-    spec.add_argument("--prompt-lookup-min", type=int, default=2)
-    spec.add_argument("--prompt-lookup-max", type=int, default=5)
+    spec.add_argument("--grounded-requests", type=int, default=16, help="chats that copy, quote or edit their input")
+    spec.add_argument("--grounded-max-tokens", type=int, default=128, help="new tokens per grounded chat")
+    spec.add_argument("--chat-requests", type=int, default=128, help="standard chats")
+    spec.add_argument("--chat-max-tokens", type=int, default=64, help="new tokens per standard chat")
+    spec.add_argument("--concurrency", type=int, default=64, help="requests in flight on the standard chats")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
+    spec.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram matched in the context")
+    spec.add_argument("--prompt-lookup-max", type=int, default=5, help="longest n-gram matched in the context")
     spec.add_argument("--json", default=None)
     spec.set_defaults(func=_bench_spec)
 
     soak = bench.add_parser("soak", help="many streaming clients (some hanging up, some malformed) against serve run")
-    soak.add_argument("--clients", type=int, default=48)
+    soak.add_argument("--concurrency", type=int, default=48, help="streaming clients at once")
     soak.add_argument("--duration", type=float, default=120.0, help="seconds per round")
     soak.add_argument("--rounds", type=int, default=3)
     soak.add_argument("--max-tokens", type=int, default=32)
@@ -256,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     process_cpu.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     process_cpu.add_argument("--max-tokens", type=int, default=64)
     process_cpu.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward (the default)"
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward"
     )
     process_cpu.add_argument("--quantization", default="none", choices=["none", "int8"])
     process_cpu.add_argument("--json", default=None)
@@ -266,13 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
         "decode-kernel", help="the paged decode-attention kernel on one layer's call, caches warm and cold"
     )
     kernel.add_argument("--rows", type=int, default=64, help="decode rows (requests) in the call")
-    kernel.add_argument("--heads", type=int, default=9)
-    kernel.add_argument("--kv-heads", type=int, default=3)
-    kernel.add_argument("--head-dim", type=int, default=64)
+    kernel.add_argument("--heads", type=int, default=9, help="query heads")
+    kernel.add_argument("--kv-heads", type=int, default=3, help="key/value heads")
+    kernel.add_argument("--head-dim", type=int, default=64, help="dimension of a head")
     kernel.add_argument("--page-size", type=int, default=16)
     kernel.add_argument("--context", type=int, default=50, help="tokens each row attends to")
-    kernel.add_argument("--threads", type=int, default=2)
-    kernel.add_argument("--calls", type=int, default=100)
+    kernel.add_argument("--threads", type=int, default=2, help="CPU threads")
+    kernel.add_argument("--calls", type=int, default=100, help="calls timed per round")
     kernel.add_argument("--rounds", type=int, default=2)
     kernel.add_argument("--against", default=None, help="another paged_decode.c to time alongside")
     kernel.add_argument("--json", default=None)
@@ -280,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     structured = bench.add_parser("structured", help="the same requests with and without a JSON schema, in one run")
     structured.add_argument("--model", default=DEFAULT_MODEL)
-    structured.add_argument("--prompts", type=int, default=64)
+    structured.add_argument("--requests", type=int, default=64)
     structured.add_argument("--concurrency", type=int, default=64)
     structured.add_argument("--max-tokens", type=int, default=64)
     structured.add_argument("--repeats", type=int, default=2, help="alternating pairs of runs")
@@ -290,15 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     lora = bench.add_parser("lora", help="the base model alone against the base and LoRA adapters in even shares")
     lora.add_argument("--model", default=DEFAULT_MODEL)
-    lora.add_argument("--adapters", type=int, default=4)
-    lora.add_argument("--rank", type=int, default=8)
-    lora.add_argument("--prompts", type=int, default=128)
+    lora.add_argument("--adapters", type=int, default=4, help="LoRA adapters, written at random and served in even shares with the base")
+    lora.add_argument("--rank", type=int, default=8, help="the adapters' rank")
+    lora.add_argument("--requests", type=int, default=128)
     lora.add_argument("--concurrency", type=int, default=64)
     lora.add_argument("--max-tokens", type=int, default=64)
     lora.add_argument("--repeats", type=int, default=2, help="alternating pairs of runs")
     lora.add_argument("--seed", type=int, default=0)
     lora.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward (the default)"
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward"
     )
     lora.add_argument("--quantization", default="none", choices=["none", "int8"])
     lora.add_argument("--json", default=None)
@@ -317,10 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
         "quant", help="quantized weights against the unquantized model: greedy agreement, log-prob gap, tok/s"
     )
     quant.add_argument("--model", default=DEFAULT_MODEL)
-    quant.add_argument("--quantization", type=_quantization_list, default=["int8"], help="int8, fp8 or int8,fp8")
+    quant.add_argument("--quantization", type=_quantization_list, default=["int8"], help="the quantized weights to measure: int8, fp8 or int8,fp8")
     quant.add_argument("--device", default="cpu")
     quant.add_argument("--dtype", default="float32", help="the unquantized model's dtype and the activations'")
-    quant.add_argument("--prompts", type=int, default=64)
+    quant.add_argument("--requests", type=int, default=64)
     quant.add_argument("--max-tokens", type=int, default=64)
     quant.add_argument("--concurrency", type=_int_list, default=[1, 64])
     quant.add_argument("--cache-tokens", type=int, default=16384)
@@ -333,11 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--model", default=DEFAULT_MODEL)
     gpu.add_argument("--device", default="cuda")
     gpu.add_argument("--dtypes", type=_str_list, default=["float32", "bfloat16"], help="the oracle's dtypes")
-    gpu.add_argument("--prompts", type=int, default=16, help="oracle prompts")
-    gpu.add_argument("--max-tokens", type=int, default=32, help="oracle tokens per prompt")
-    gpu.add_argument("--bench-prompts", type=int, default=256)
-    gpu.add_argument("--bench-max-tokens", type=int, default=64)
-    gpu.add_argument("--bench-dtype", default="bfloat16")
+    gpu.add_argument("--oracle-requests", type=int, default=16, help="requests of the greedy oracle")
+    gpu.add_argument("--oracle-max-tokens", type=int, default=32, help="new tokens per oracle request")
+    gpu.add_argument("--bench-requests", type=int, default=256, help="requests of bench compare")
+    gpu.add_argument("--bench-max-tokens", type=int, default=64, help="new tokens per request in bench compare")
+    gpu.add_argument("--bench-dtype", default="bfloat16", help="the dtype of bench compare's in-process systems")
     gpu.add_argument("--concurrency", type=_int_list, default=[1, 64, 256])
     gpu.add_argument(
         "--quantization", type=_quantization_list, default=["int8", "fp8"], help="weights measured last, as bench quant"
@@ -351,25 +413,25 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--simulate", action="store_true", help="no model: N simulated replicas (page caches, service times)")
     route.add_argument("--tenants", type=int, default=None, help="default: 4 live, 16 simulated")
     route.add_argument("--turns", type=int, default=4)
-    route.add_argument("--balance-abs-threshold", type=int, default=4)
-    route.add_argument("--balance-rel-threshold", type=float, default=1.5)
-    route.add_argument("--min-match-ratio", type=float, default=0.5)
+    route.add_argument("--balance-abs-threshold", type=int, default=4, help="the router's load balance: a replica this many requests busier than the least loaded is skipped")
+    route.add_argument("--balance-rel-threshold", type=float, default=1.5, help="and one this many times as busy")
+    route.add_argument("--min-match-ratio", type=float, default=0.5, help="the share of a prompt's pages a replica must hold to be preferred for it")
     route.add_argument("--seed", type=int, default=0)
     route.add_argument("--json", default=None)
     live = route.add_argument_group("live (two engine replicas under serve run)")
     live.add_argument("--conversations", type=int, default=24)
     live.add_argument("--rate", type=float, default=0.25, help="new conversations per second (Poisson arrivals)")
     live.add_argument("--think-s", type=float, default=2.0, help="mean pause before a conversation's next turn")
-    live.add_argument("--system-words", type=int, default=300)
-    live.add_argument("--user-words", type=int, default=120)
+    live.add_argument("--system-words", type=int, default=300, help="words of each conversation's system prompt")
+    live.add_argument("--user-words", type=int, default=120, help="words of each user turn")
     live.add_argument("--max-tokens", type=int, default=32, help="new tokens per turn (EOS ignored)")
     live.add_argument(
         "--cache-tokens", type=int, default=32768, help="each routed replica's KV cache (the one replica has both's)"
     )
     live.add_argument("--max-model-len", type=int, default=2048)
     simulated = route.add_argument_group("--simulate")
-    simulated.add_argument("--replicas", type=_int_list, default=[2, 8, 64])
-    simulated.add_argument("--conversations-per-replica", type=int, default=32)
+    simulated.add_argument("--replicas", type=_int_list, default=[2, 8, 64], help="simulated replica counts; a comma list sweeps")
+    simulated.add_argument("--conversations-per-replica", type=int, default=32, help="conversations per simulated replica")
     simulated.add_argument("--arrival-rate-per-replica", type=float, default=1.0, help="new conversations per second")
     simulated.add_argument("--cache-pages", type=int, default=2048, help="pages per simulated replica")
     simulated.add_argument("--page-size", type=int, default=16)

@@ -125,8 +125,8 @@ def test_bench_compare_small_run(tmp_path: Path) -> None:
     out, plot = tmp_path / "compare.json", tmp_path / "compare.png"
     subprocess.run(
         [
-            sys.executable, "-m", "serve_app.cli", "bench", "compare", "--prompts", "4", "--max-tokens", "4",
-            "--concurrency", "2", "--systems", "engine,hf-sequential,hf-static", "--sequential-prompts", "2",
+            sys.executable, "-m", "serve_app.cli", "bench", "compare", "--requests", "4", "--max-tokens", "4",
+            "--concurrency", "2", "--systems", "engine,hf-sequential,hf-static", "--sequential-requests", "2",
             "--json", str(out), "--plot", str(plot),
         ],
         check=True, timeout=600, capture_output=True,
@@ -148,7 +148,7 @@ def test_bench_structured_small_run(tmp_path: Path, tiny_llama_path: Path) -> No
     subprocess.run(
         [
             sys.executable, "-m", "serve_app.cli", "bench", "structured", "--model", str(tiny_llama_path),
-            "--prompts", "4", "--concurrency", "2", "--max-tokens", "8", "--repeats", "1", "--json", str(out),
+            "--requests", "4", "--concurrency", "2", "--max-tokens", "8", "--repeats", "1", "--json", str(out),
         ],
         check=True, timeout=600, capture_output=True,
     )

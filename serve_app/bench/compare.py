@@ -60,19 +60,19 @@ def worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("system")
     parser.add_argument("--model-path", type=Path, required=True)
-    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--prompt-file", type=Path, required=True)
     parser.add_argument("--max-tokens", type=int, required=True)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
-    parser.add_argument("--single-client-prompts", type=int, default=16)
+    parser.add_argument("--single-client-requests", type=int, default=16)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
-    prompts = json.loads(args.prompts.read_text())
+    prompts = json.loads(args.prompt_file.read_text())
     placement = systems.Placement(args.device, args.dtype)
     if args.system == "engine":
         result = systems.run_engine(
-            str(args.model_path), prompts, args.concurrency, args.max_tokens, args.single_client_prompts, placement
+            str(args.model_path), prompts, args.concurrency, args.max_tokens, args.single_client_requests, placement
         )
     elif args.system == "hf-sequential":
         result = systems.run_hf_sequential(args.model_path, prompts, args.max_tokens, placement)
@@ -120,8 +120,8 @@ def _run_worker(
     out = tmp / f"{system}.json"
     command = [
         sys.executable, "-m", "serve_app.bench.compare", "--worker", system, "--model-path", str(model_path),
-        "--prompts", str(prompt_file), "--max-tokens", str(args.max_tokens), "--out", str(out),
-        "--single-client-prompts", str(args.single_client_prompts), "--device", args.device, "--dtype", args.dtype,
+        "--prompt-file", str(prompt_file), "--max-tokens", str(args.max_tokens), "--out", str(out),
+        "--single-client-requests", str(args.single_client_requests), "--device", args.device, "--dtype", args.dtype,
         "--concurrency", *map(str, concurrency),
     ]
     levels = f" at concurrency {','.join(map(str, concurrency))}" if system == "engine" else ""
@@ -163,13 +163,13 @@ def _run_http(
         llama = gguf is not None
         if "completions" in args.workloads:
             rows += run_http(
-                server.url, MODEL, prompts, concurrency, args.max_tokens, args.single_client_prompts, system=system,
+                server.url, MODEL, prompts, concurrency, args.max_tokens, args.single_client_requests, system=system,
                 api="llama.cpp" if llama else "openai", close_connections=llama,
             )
         if "chat" in args.workloads:
             rows += run_http(
-                server.url, MODEL, _chats(args.prompts, args.seed), concurrency, args.max_tokens,
-                args.single_client_prompts, system=f"{system} chat", api="chat", close_connections=llama,
+                server.url, MODEL, _chats(args.requests, args.seed), concurrency, args.max_tokens,
+                args.single_client_requests, system=f"{system} chat", api="chat", close_connections=llama,
             )
     finally:
         stop.set()
@@ -199,7 +199,7 @@ def main(args: argparse.Namespace) -> None:
         at = systems.index(LLAMA)
         systems[at : at + 1] = list(ggufs)
     model_path = resolve_model_path(MODEL, default_cache_dir())
-    prompts = _token_prompts(model_path, args.prompts, args.seed)
+    prompts = _token_prompts(model_path, args.requests, args.seed)
     gflops = matmul_gflops()
     n_params = _parameter_count(model_path)
     ceiling = decode_ceiling_tok_s(gflops, n_params)
@@ -212,7 +212,7 @@ def main(args: argparse.Namespace) -> None:
             if system.startswith("http") or _is_llama(system):
                 run_rows = _run_http(system, prompts, concurrency, args, Path(tmp), ggufs.get(system))
             else:
-                subset = prompts[: args.sequential_prompts] if system == "hf-sequential" else prompts
+                subset = prompts[: args.sequential_requests] if system == "hf-sequential" else prompts
                 run_rows, run_tokens = _run_worker(system, model_path, subset, concurrency, args, Path(tmp))
                 if len(run_tokens) >= len(tokens.get(system, [])):
                     tokens[system] = run_tokens
@@ -226,7 +226,7 @@ def main(args: argparse.Namespace) -> None:
     if args.plot:
         from serve_app.bench.plot import plot_rows
 
-        title = (f"{MODEL}, {args.prompts} prompts, {args.max_tokens} new tokens, greedy; "
+        title = (f"{MODEL}, {args.requests} prompts, {args.max_tokens} new tokens, greedy; "
                  f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
         plot_rows(rows, args.plot, title=title)
         print(f"plot written to {args.plot}")
@@ -281,7 +281,7 @@ def _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args) -> dict:
         oracle = {"equal": equal, "compared": len(reference)}
         lines.append(f"greedy tokens equal to transformers (one at a time): {equal}/{len(reference)} prompts")
     payload = {
-        "prompts": args.prompts,
+        "prompts": args.requests,
         "max_tokens": args.max_tokens,
         "matmul_gflops": round(gflops, 1),
         "parameters": n_params,

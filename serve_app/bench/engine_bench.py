@@ -92,7 +92,7 @@ def run_engine_bench(
 def main(args) -> None:
     engine = InferenceEngine(model=args.model, kv_cache=args.kv_cache, compile=args.compile)
     try:
-        prompts = make_prompts(args.prompts, seed=args.seed)
+        prompts = make_prompts(args.requests, seed=args.seed)
         run_engine_bench(engine, prompts[: min(4, len(prompts))], 4, 4, system="warmup")
         rows = [run_engine_bench(engine, prompts, c, args.max_tokens) for c in args.concurrency]
     finally:

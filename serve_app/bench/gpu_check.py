@@ -74,20 +74,20 @@ def main(args: argparse.Namespace) -> None:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("serve-app bench gpu-check: CUDA is not available on this host (try --device cpu)")
-    prompts = make_prompts(args.prompts, seed=args.seed)
-    oracle = [device_oracle(args.model, args.device, dtype, prompts, args.max_tokens) for dtype in args.dtypes]
+    prompts = make_prompts(args.oracle_requests, seed=args.seed)
+    oracle = [device_oracle(args.model, args.device, dtype, prompts, args.oracle_max_tokens) for dtype in args.dtypes]
     for result in oracle:
         print(f"greedy oracle on {result.device}, {result.dtype}: {result.equal_prompts}/{result.prompts} prompts equal "
               f"to transformers, {result.agreeing_prefix:.1%} of tokens before a first difference")
     compare.main(argparse.Namespace(
-        systems=["engine", "hf-static", "hf-generate-batch"], concurrency=args.concurrency, prompts=args.bench_prompts,
-        max_tokens=args.bench_max_tokens, sequential_prompts=8, single_client_prompts=16, seed=args.seed,
+        systems=["engine", "hf-static", "hf-generate-batch"], concurrency=args.concurrency, requests=args.bench_requests,
+        max_tokens=args.bench_max_tokens, sequential_requests=8, single_client_requests=16, seed=args.seed,
         device=args.device, dtype=args.bench_dtype, llama_server=None, gguf=[], json=None, plot=None,
         workloads=["completions"],
     ))
     quant_bench.main(argparse.Namespace(
         model=args.model, quantization=args.quantization, device=args.device, dtype=args.bench_dtype,
-        prompts=args.bench_prompts, max_tokens=args.bench_max_tokens, concurrency=args.concurrency, cache_tokens=None,
+        requests=args.bench_requests, max_tokens=args.bench_max_tokens, concurrency=args.concurrency, cache_tokens=None,
         seed=args.seed, json=None,
     ))
     if args.json:

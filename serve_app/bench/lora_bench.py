@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> None:
         )
         shares: list[str | None] = [None, *names]  # the base and each adapter, in even shares
         try:
-            prompts = make_prompts(args.prompts, seed=args.seed)
+            prompts = make_prompts(args.requests, seed=args.seed)
             for options_of in (None, lambda i: {"lora": shares[i % len(shares)]}):  # both kinds of step, once
                 run_engine_bench(engine, prompts, args.concurrency, 8, system="warmup", options_of=options_of)
             rows = []

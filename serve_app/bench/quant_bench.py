@@ -85,7 +85,7 @@ def _one_row_logits(model: torch.nn.Module, ids: torch.Tensor, first: int) -> to
 
 
 def main(args: argparse.Namespace) -> None:
-    prompts = make_prompts(args.prompts, seed=args.seed)
+    prompts = make_prompts(args.requests, seed=args.seed)
     sequences: list[tuple[list[int], list[int]]] = []
     rows: list[BenchRow] = []
     model_path = args.model

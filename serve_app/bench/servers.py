@@ -165,7 +165,7 @@ class ServeRun:
 
     It runs in a user's environment (`users_environment`) with the speed settings of `make serve`
     (`serve_env()`) on top, or with `plain=True` without them: the card's own `serve run
-    serve_config.yaml`. It starts a Ray cluster of its own (its own temp dir, so no cluster's address file
+    serve_config.yaml`; otherwise through `serve-app serve`. It starts a Ray cluster of its own (its own temp dir, so no cluster's address file
     is found there; `--address local` unless plain), so it never joins, nor disturbs, a cluster that
     happens to run on this machine; with `address` it runs on that cluster instead, `env` added to its
     environment.
@@ -213,12 +213,14 @@ class ServeRun:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "serve.log"
         self._log = open(self.log_path, "w")
-        serve = Path(sys.executable).parent / "serve"
+        bin_dir = Path(sys.executable).parent
         # Short: Ray's socket paths under it must stay within the 107 characters a Unix socket allows.
         self.ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
         self.env = {**({} if plain else serve_env()), "RAY_TMPDIR": self.ray_dir, **(env or {})}
         self.process = subprocess.Popen(
-            [str(serve), "run", *([] if plain and address is None else ["--address", address or "local"]), str(path)],
+            # The card's `serve run CONFIG`, plain; else `serve-app serve CONFIG` (the same, run in-process).
+            [str(bin_dir / "serve"), "run", *([] if address is None else ["--address", address]), str(path)] if plain
+            else [str(bin_dir / "serve-app"), "serve", str(path), "--address", address or "local"],
             cwd=ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,

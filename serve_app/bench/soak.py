@@ -135,7 +135,7 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = ServeRun(Path(tmp), engine_kwargs={"cache_tokens": 8192, "max_model_len": 2048})
         try:
-            reports = run_soak(server, args.clients, args.duration, args.rounds, args.max_tokens, args.deadline)
+            reports = run_soak(server, args.concurrency, args.duration, args.rounds, args.max_tokens, args.deadline)
         finally:
             server.stop()
     growth = memory_growth_mb(reports)

@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> None:
     constrained = {"structured_output": StructuredOutput(json=SCHEMA)}
     try:
         compile_times = compile_seconds(engine)
-        prompts = make_prompts(args.prompts, seed=args.seed)
+        prompts = make_prompts(args.requests, seed=args.seed)
         # Every prompt once first, so that every measured run finds them in the prefix cache alike.
         run_engine_bench(engine, prompts, args.concurrency, 1, system="warmup")
         rows = []

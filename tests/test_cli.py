@@ -1,0 +1,51 @@
+"""`serve-app` and every subcommand: each option has a help line, and `--help` shows its default."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from serve_app.cli import build_parser
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*path, name))
+
+
+COMMANDS = list(_commands(build_parser()))
+
+
+def test_every_command_is_reached() -> None:
+    names = {" ".join(path) for path, _ in COMMANDS}
+    assert {"serve", "prepare-model", "bench", "bench engine", "bench compare", "bench soak", "bench route"} <= names
+    assert len(names) >= 20
+
+
+@pytest.mark.parametrize("path, parser", COMMANDS, ids=[" ".join(p) or "serve-app" for p, _ in COMMANDS])
+def test_every_option_has_a_help_line_and_its_default(path: tuple[str, ...], parser: argparse.ArgumentParser) -> None:
+    text = parser.format_help()
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        assert action.help, f"serve-app {' '.join(path)} {action.option_strings or action.dest}: no help"
+        default = action.default
+        if action.option_strings and default is not None and not isinstance(default, bool):
+            assert f"(default: {default})" in " ".join(text.split()), (path, action.dest)
+
+
+def test_serve_app_help_runs_as_a_command() -> None:
+    bin_dir = Path(sys.executable).parent
+    out = subprocess.run([str(bin_dir / "serve-app"), "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "serve" in out and "bench" in out and "prepare-model" in out
+    out = subprocess.run([str(bin_dir / "serve-app"), "serve", "--help"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert "(default: serve_config.yaml)" in out and "--address" in out
