@@ -23,7 +23,7 @@ endif
 export RAY_SERVE_CONTROL_LOOP_INTERVAL_S ?= 1.0
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test bench gpu-check clean
+.PHONY: setup model serve browser test bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -39,9 +39,16 @@ model: $(STAMP)
 	$(BIN)/serve-app prepare-model
 
 serve: model
-	$(HAPROXY_BIND_HOST) $(BIN)/serve run serve_config.yaml
+	$(HAPROXY_BIND_HOST) $(BIN)/serve-app serve serve_config.yaml
 
-test: model
+# The browser test's Chromium, from Debian's packages where apt-get can install them (else that test skips, saying so).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(command -v apt-get >/dev/null && (apt-get install -y -q chromium chromium-driver || \
+		(apt-get update -q && apt-get install -y -q chromium chromium-driver))) || \
+		echo "no Chromium installed: the browser test will skip"
+
+test: model browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # With LLAMA_SERVER=path/to/llama-server GGUF="a.gguf b.gguf", llama.cpp's server runs beside ours.

@@ -1,1 +1,1 @@
-"""The routers: generation (OpenAI and Anthropic), cached KV, and admin (health, models, stats, metrics)."""
+"""The routers: generation (OpenAI and Anthropic), cached KV, admin (health, models, stats, metrics) and the web page."""

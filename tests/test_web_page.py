@@ -1,0 +1,71 @@
+"""The web page at `/`, in a real browser (Debian's headless Chromium driven by Selenium): a message sent in
+the playground streams back the model's greedy answer with its figures, and the live view counts it."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.inprocess import MODEL, InProcessServer, openai_client
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="no Chromium here: `apt-get install chromium chromium-driver` (Debian's packages; `make test` tries)",
+)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def _requests_in_live_view(browser) -> int | None:
+    from selenium.webdriver.common.by import By
+
+    for row in browser.find_elements(By.CSS_SELECTOR, "#replicas tbody tr"):
+        cells = [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+        if cells and cells[0] == "in-process":
+            return int(cells[-1])
+    return None
+
+
+def test_a_message_streams_back_and_the_live_view_counts_it(server: InProcessServer, browser) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    page = httpx.get(f"{server.url}/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    browser.get(f"{server.url}/")
+    wait = WebDriverWait(browser, 120, poll_frequency=0.2)
+    wait.until(lambda b: MODEL in [o.text for o in Select(b.find_element(By.ID, "model")).options])
+    wait.until(lambda b: _requests_in_live_view(b) is not None)
+    before = _requests_in_live_view(browser)
+    for field, value in (("temperature", "0"), ("max-tokens", "12")):
+        element = browser.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+    browser.find_element(By.ID, "prompt").send_keys("Name three colours.")
+    browser.find_element(By.ID, "send").click()
+    figures = wait.until(lambda b: [f for f in b.find_elements(By.CSS_SELECTOR, "#conversation .figures") if f.text])
+    answer = browser.find_elements(By.CSS_SELECTOR, "#conversation .msg.assistant")[-1].text
+    expected = openai_client(server.url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name three colours."}], temperature=0, max_tokens=12
+    )
+    assert answer == expected.choices[0].message.content.strip() or answer == expected.choices[0].message.content
+    text = figures[-1].text
+    assert text.startswith("TTFT ") and f"· {expected.usage.completion_tokens} tokens ·" in text, text
+    assert "cached prompt tokens" in text and "tokens/s" in text
+    wait.until(lambda b: (_requests_in_live_view(b) or 0) >= before + 1)
