@@ -220,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=_bench_engine)
 
     compare = bench.add_parser("compare", help="this engine and server against transformers, side by side")
+    compare.add_argument("--model", default=DEFAULT_MODEL)
     compare.add_argument("--requests", type=int, default=128)
     compare.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     compare.add_argument(
@@ -295,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.set_defaults(func=_bench_spec)
 
     soak = bench.add_parser("soak", help="many streaming clients (some hanging up, some malformed) against serve run")
+    soak.add_argument("--model", default=DEFAULT_MODEL)
     soak.add_argument("--concurrency", type=int, default=48, help="streaming clients at once")
     soak.add_argument("--duration", type=float, default=120.0, help="seconds per round")
     soak.add_argument("--rounds", type=int, default=3)
@@ -307,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     start = bench.add_parser(
         "start", help="serve run to its first answer: eager, compiled with an empty compile cache, then with a warm one"
     )
+    start.add_argument("--model", default=DEFAULT_MODEL)
     start.add_argument("--rounds", type=int, default=2, help="eager and warm compiled starts, alternating, after the cold one")
     start.add_argument("--json", default=None)
     start.set_defaults(func=_bench_start)
@@ -314,8 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     process_cpu = bench.add_parser(
         "process-cpu", help="streaming clients against serve run: CPU each process spends per generated token"
     )
+    process_cpu.add_argument("--model", default=DEFAULT_MODEL)
     process_cpu.add_argument("--requests", type=int, default=4)
-    process_cpu.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    process_cpu.add_argument("--concurrency", type=_int_list, default=[1])
     process_cpu.add_argument("--max-tokens", type=int, default=64)
     process_cpu.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward"
@@ -326,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     kernel = bench.add_parser(
         "decode-kernel", help="the paged decode-attention kernel on one layer's call, caches warm and cold"
+    )
+    kernel.add_argument(
+        "--model", default=None, help="take the heads, key/value heads and head dimension from this model's config"
     )
     kernel.add_argument("--rows", type=int, default=64, help="decode rows (requests) in the call")
     kernel.add_argument("--heads", type=int, default=9, help="query heads")
@@ -343,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     structured = bench.add_parser("structured", help="the same requests with and without a JSON schema, in one run")
     structured.add_argument("--model", default=DEFAULT_MODEL)
     structured.add_argument("--requests", type=int, default=64)
-    structured.add_argument("--concurrency", type=int, default=64)
+    structured.add_argument("--concurrency", type=_int_list, default=[64])
     structured.add_argument("--max-tokens", type=int, default=64)
     structured.add_argument("--repeats", type=int, default=2, help="alternating pairs of runs")
     structured.add_argument("--seed", type=int, default=0)
@@ -355,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--adapters", type=int, default=4, help="LoRA adapters, written at random and served in even shares with the base")
     lora.add_argument("--rank", type=int, default=8, help="the adapters' rank")
     lora.add_argument("--requests", type=int, default=128)
-    lora.add_argument("--concurrency", type=int, default=64)
+    lora.add_argument("--concurrency", type=_int_list, default=[64])
     lora.add_argument("--max-tokens", type=int, default=64)
     lora.add_argument("--repeats", type=int, default=2, help="alternating pairs of runs")
     lora.add_argument("--seed", type=int, default=0)
@@ -410,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     route = bench.add_parser(
         "route", help="the prefix-aware router against Serve's default: two live engine replicas, or simulated ones"
     )
+    route.add_argument("--model", default=DEFAULT_MODEL, help="the model of the live replicas")
     route.add_argument("--simulate", action="store_true", help="no model: N simulated replicas (page caches, service times)")
     route.add_argument("--tenants", type=int, default=None, help="default: 4 live, 16 simulated")
     route.add_argument("--turns", type=int, default=4)

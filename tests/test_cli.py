@@ -49,3 +49,20 @@ def test_serve_app_help_runs_as_a_command() -> None:
     out = subprocess.run([str(bin_dir / "serve-app"), "serve", "--help"], capture_output=True, text=True, timeout=60,
                          check=True).stdout
     assert "(default: serve_config.yaml)" in out and "--address" in out
+
+
+def test_every_bench_command_takes_a_model() -> None:
+    """`bench clients` excepted: each of its `--server NAME=URL=MODEL` names the model that server runs."""
+    benches = {path[1]: parser for path, parser in COMMANDS if len(path) == 2 and path[0] == "bench"}
+    lacking = {name for name, parser in benches.items() if not any(a.dest == "model" for a in parser._actions)}
+    assert lacking == {"clients"}
+
+
+def test_a_model_source_is_served_by_its_name(tmp_path: Path) -> None:
+    from serve_app.bench.servers import served_id
+
+    assert served_id("smollm2-135m-instruct") == "smollm2-135m-instruct"
+    assert served_id("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"  # a Hub id
+    (tmp_path / "Qwen3-0.6B").mkdir()
+    assert served_id(str(tmp_path / "Qwen3-0.6B")) == "Qwen3-0.6B"
+    assert served_id("weights/smollm2-q8_0.gguf") == "smollm2-q8_0"

@@ -42,7 +42,6 @@ SYSTEMS = ("engine", "hf-sequential", "hf-static", "hf-generate-batch", *HTTP_SY
 # Run level by level, alternating, so that their ratios compare runs minutes apart.
 SERVED = ("engine", *HTTP_SYSTEMS)
 LLAMA = "llama-server"
-MODEL = "smollm2-135m-instruct"
 WORKLOADS = ("completions", "chat")
 
 
@@ -141,14 +140,14 @@ def _run_http(
     gguf: Path | None,
 ) -> list[BenchRow]:
     """One start of an HTTP system, every workload asked for on it."""
-    from serve_app.bench.servers import LlamaServer, ServeRun
+    from serve_app.bench.servers import LlamaServer, ServeRun, served_id
     from serve_app.bench.systems import run_http
 
     print(f"starting {system} for concurrency {','.join(map(str, concurrency))} ...", flush=True)
     if gguf is not None:
         server = LlamaServer(Path(args.llama_server), gguf, tmp)
     else:
-        server = ServeRun(tmp, engine_kwargs={"max_model_len": 2048, **HTTP_SYSTEMS[system]}, timeout=1200)
+        server = ServeRun(tmp, engine_kwargs={"max_model_len": 2048, **HTTP_SYSTEMS[system]}, timeout=1200, model=args.model)
     peak = [server.rss_mb()]
     stop = threading.Event()
 
@@ -161,14 +160,15 @@ def _run_http(
     rows: list[BenchRow] = []
     try:
         llama = gguf is not None
+        served = served_id(args.model) if llama else server.model_id  # llama-server answers any name
         if "completions" in args.workloads:
             rows += run_http(
-                server.url, MODEL, prompts, concurrency, args.max_tokens, args.single_client_requests, system=system,
+                server.url, served, prompts, concurrency, args.max_tokens, args.single_client_requests, system=system,
                 api="llama.cpp" if llama else "openai", close_connections=llama,
             )
         if "chat" in args.workloads:
             rows += run_http(
-                server.url, MODEL, _chats(args.requests, args.seed), concurrency, args.max_tokens,
+                server.url, served, _chats(args.requests, args.seed), concurrency, args.max_tokens,
                 args.single_client_requests, system=f"{system} chat", api="chat", close_connections=llama,
             )
     finally:
@@ -198,7 +198,7 @@ def main(args: argparse.Namespace) -> None:
         ggufs = {f"{LLAMA}:{Path(g).stem}": Path(g) for g in args.gguf}
         at = systems.index(LLAMA)
         systems[at : at + 1] = list(ggufs)
-    model_path = resolve_model_path(MODEL, default_cache_dir())
+    model_path = resolve_model_path(args.model, default_cache_dir())
     prompts = _token_prompts(model_path, args.requests, args.seed)
     gflops = matmul_gflops()
     n_params = _parameter_count(model_path)
@@ -225,8 +225,9 @@ def main(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(report["json"], indent=2))
     if args.plot:
         from serve_app.bench.plot import plot_rows
+        from serve_app.bench.servers import served_id
 
-        title = (f"{MODEL}, {args.requests} prompts, {args.max_tokens} new tokens, greedy; "
+        title = (f"{served_id(args.model)}, {args.requests} prompts, {args.max_tokens} new tokens, greedy; "
                  f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
         plot_rows(rows, args.plot, title=title)
         print(f"plot written to {args.plot}")

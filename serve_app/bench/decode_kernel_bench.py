@@ -19,6 +19,19 @@ from serve_app.model.native import build_library
 TRAFFIC_BYTES = 64 * 1024 * 1024
 
 
+def _use_model_shape(args: argparse.Namespace) -> None:
+    """With `--model`, its attention's heads, key/value heads and head dimension replace the options'."""
+    if args.model is None:
+        return
+    from serve_app.config import default_cache_dir
+    from serve_app.model.loader import resolve_model_path
+
+    config = json.loads((resolve_model_path(args.model, default_cache_dir()) / "config.json").read_text())
+    args.heads = config["num_attention_heads"]
+    args.kv_heads = config.get("num_key_value_heads", args.heads)
+    args.head_dim = config.get("head_dim") or config["hidden_size"] // args.heads
+
+
 def _inputs(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
     """Query rows, one layer's pages and each row's pages (scattered) and context length."""
     generator = torch.Generator().manual_seed(0)
@@ -32,21 +45,24 @@ def _inputs(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
     return query, k, v, tables, lengths
 
 
-def _time(kernel: DecodeKernel, inputs: tuple[torch.Tensor, ...], calls: int, traffic: torch.Tensor | None) -> float:
+def _time(
+    kernel: DecodeKernel, inputs: tuple[torch.Tensor, ...], scale: float, calls: int, traffic: torch.Tensor | None
+) -> float:
     """Mean seconds a call, `traffic` (when given) streamed through the caches before each."""
-    kernel(*inputs, 0.125)
+    kernel(*inputs, scale)
     total = 0.0
     for _ in range(calls):
         if traffic is not None:
             traffic.add_(1.0)
         started = time.perf_counter()
-        kernel(*inputs, 0.125)
+        kernel(*inputs, scale)
         total += time.perf_counter() - started
     return total / calls
 
 
 def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
+    _use_model_shape(args)
     with tempfile.TemporaryDirectory(prefix="serve-app-kernel-") as cache:
         kernels = {"this kernel": build_decode_kernel(Path(cache))}
         if args.against:
@@ -57,7 +73,7 @@ def main(args: argparse.Namespace) -> None:
         for round_ in range(args.rounds):
             for name, kernel in kernels.items():
                 for state, flush in (("warm", None), ("cold", traffic)):
-                    seconds = _time(kernel, inputs, args.calls, flush)
+                    seconds = _time(kernel, inputs, args.head_dim**-0.5, args.calls, flush)
                     rows.append({"kernel": name, "round": round_, "caches": state, "ms_per_call": round(seconds * 1e3, 4)})
                     print(f"round {round_}  {name:>30}  {state}: {seconds * 1e3:.3f} ms a call")
     if args.json:

@@ -58,13 +58,14 @@ def main(args: argparse.Namespace) -> None:
         try:
             prompts = make_prompts(args.requests, seed=args.seed)
             for options_of in (None, lambda i: {"lora": shares[i % len(shares)]}):  # both kinds of step, once
-                run_engine_bench(engine, prompts, args.concurrency, 8, system="warmup", options_of=options_of)
+                run_engine_bench(engine, prompts, max(args.concurrency), 8, system="warmup", options_of=options_of)
             rows = []
-            for _ in range(args.repeats):
-                rows.append(run_engine_bench(engine, prompts, args.concurrency, args.max_tokens, system="base"))
-                rows.append(run_engine_bench(engine, prompts, args.concurrency, args.max_tokens,
-                                             system=f"base+{args.adapters}-adapters",
-                                             options_of=lambda i: {"lora": shares[i % len(shares)]}))
+            for concurrency in args.concurrency:
+                for _ in range(args.repeats):
+                    rows.append(run_engine_bench(engine, prompts, concurrency, args.max_tokens, system="base"))
+                    rows.append(run_engine_bench(engine, prompts, concurrency, args.max_tokens,
+                                                 system=f"base+{args.adapters}-adapters",
+                                                 options_of=lambda i: {"lora": shares[i % len(shares)]}))
         finally:
             engine.shutdown()
     print(format_table(rows))

@@ -1,7 +1,7 @@
 """`serve-app bench process-cpu`: what streaming clients' tokens cost each process of a fresh
 `serve run`: CPU time and context switches per generated token, process by process (the engine's
 own, the replicas, Serve's and Ray's daemons, HAProxy), and the load generator's own; one client by
-default, or `--concurrency` of them.
+default, or each of `--concurrency`'s comma list in turn.
 
 On a machine with few cores every other process's CPU comes out of the model's threads' time, so
 this is where one client's speed over HTTP goes beside the step itself.
@@ -25,7 +25,6 @@ from serve_app.bench.servers import ServeRun
 from serve_app.bench.stats import percentile
 from serve_app.bench.systems import stream_requests
 
-MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)
@@ -101,37 +100,44 @@ def _processes(server: ServeRun) -> list[psutil.Process]:
     return [root, *root.children(recursive=True), psutil.Process()]  # the load generator last
 
 
-def _clients(url: str, requests: int, max_tokens: int, concurrency: int = 1) -> tuple[int, list[float]]:
+def _clients(url: str, model: str, requests: int, max_tokens: int, concurrency: int = 1) -> tuple[int, list[float]]:
     """`requests` streams, `concurrency` at a time: tokens generated, and the gaps between each stream's
     chunks as its client saw them."""
     prompts = [f"Tell me about topic number {index}." for index in range(requests)]
-    _, timings = asyncio.run(stream_requests(url, MODEL, prompts, concurrency, max_tokens))
+    _, timings = asyncio.run(stream_requests(url, model, prompts, concurrency, max_tokens))
     return sum(t.output_tokens for t in timings), [gap for t in timings for gap in t.chunk_gaps]
 
 
-def main(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as workdir:
-        server = ServeRun(Path(workdir), engine_kwargs={"compile": args.compile, "quantization": args.quantization}, timeout=1800)
-        try:
-            _clients(server.url, 1, 8)  # warm
-            processes = _processes(server)
-            before = sample(processes)
-            start = time.perf_counter()
-            tokens, gaps = _clients(server.url, args.requests, args.max_tokens, args.concurrency)
-            wall = time.perf_counter() - start
-            rows = costs(before, sample(processes), tokens)
-        finally:
-            server.stop()
+def _measure(server: ServeRun, processes: list[psutil.Process], args: argparse.Namespace, concurrency: int) -> dict:
+    """`args.requests` streams, `concurrency` at a time: each process's CPU per token, and the stream gaps."""
+    before = sample(processes)
+    start = time.perf_counter()
+    tokens, gaps = _clients(server.url, server.model_id, args.requests, args.max_tokens, concurrency)
+    wall = time.perf_counter() - start
+    rows = costs(before, sample(processes), tokens)
     others = sum(row.cpu_ms_per_token for row in rows if row.role != "engine process")
     itl = {"itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3, "chunks": len(gaps) + args.requests}
-    print(f"{tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s, {wall / tokens * 1e3:.1f} ms a token; "
-          f"{itl['chunks']} stream chunks, gaps between them p50 {itl['itl_p50_ms']:.1f} ms, p99 {itl['itl_p99_ms']:.1f} ms")
+    print(f"concurrency {concurrency}: {tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s, "
+          f"{wall / tokens * 1e3:.1f} ms a token; {itl['chunks']} stream chunks, gaps between them "
+          f"p50 {itl['itl_p50_ms']:.1f} ms, p99 {itl['itl_p99_ms']:.1f} ms")
     print(f"{'CPU ms/token':>12} {'switches/token':>14}  process")
     for row in rows:
         if row.cpu_ms_per_token >= 0.05:
             print(f"{row.cpu_ms_per_token:12.2f} {row.switches_per_token:14.1f}  {row.role} ({row.pid})")
     print(f"every process but the engine's: {others:.1f} ms of CPU a token")
+    return {"concurrency": concurrency, "tokens": tokens, "wall_s": wall, "others_cpu_ms_per_token": others, **itl,
+            "processes": [asdict(r) for r in rows]}
+
+
+def main(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as workdir:
+        server = ServeRun(Path(workdir), engine_kwargs={"compile": args.compile, "quantization": args.quantization}, timeout=1800,
+                          model=args.model)
+        try:
+            _clients(server.url, server.model_id, 1, 8)  # warm
+            processes = _processes(server)
+            runs = [_measure(server, processes, args, concurrency) for concurrency in args.concurrency]
+        finally:
+            server.stop()
     if args.json:
-        report = {"tokens": tokens, "wall_s": wall, "others_cpu_ms_per_token": others, **itl,
-                  "processes": [asdict(r) for r in rows]}
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps({"runs": runs}, indent=2))

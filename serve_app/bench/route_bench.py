@@ -217,7 +217,8 @@ def _routing_costs(url: str, decisions_at_least: int) -> dict[str, float]:
 
 
 def run_system(
-    system: System, workload: ChatWorkload, engine_args: dict[str, Any], router_kwargs: dict[str, Any], folder: Path
+    system: System, workload: ChatWorkload, engine_args: dict[str, Any], router_kwargs: dict[str, Any], folder: Path,
+    model: str,
 ) -> dict[str, Any]:
     options = system.engine_options()
     if system.router != DEFAULT_ROUTER:
@@ -232,12 +233,12 @@ def run_system(
         args={"api_keys_file": str(workload.keys_file(folder))},
         engine_deployment=options,
         timeout=600,
+        model=model,
     )
     try:
         _wait_for_replicas(run.url, system.replicas)
-        model = _admin_get(run.url, "/v1/models")["data"][0]["id"]
         before = _tasks_per_replica(run.url)
-        duration, results = asyncio.run(_drive(run.url, model, workload))
+        duration, results = asyncio.run(_drive(run.url, run.model_id, workload))
         after = _tasks_per_replica(run.url)
         per_replica = sorted(after[r] - before.get(r, 0) for r in after)
         ingress_mb = _ingress_rss_mb(run)
@@ -290,7 +291,7 @@ def main(args: argparse.Namespace) -> None:
     for system in systems():
         with tempfile.TemporaryDirectory(prefix="bench-route-") as folder:
             print(f"running {system.name} ...", flush=True)
-            rows.append(run_system(system, workload, engine_args, router_kwargs, Path(folder)))
+            rows.append(run_system(system, workload, engine_args, router_kwargs, Path(folder), args.model))
     print(dict_table(rows))
     summary = ratios(rows)
     for name, value in summary.items():

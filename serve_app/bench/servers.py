@@ -141,6 +141,12 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {QUIET_PORTS}")
 
 
+def served_id(model: str) -> str:
+    """The `model` clients send for a model source: a local folder or a .gguf file by its name, an embedded name
+    or a Hub id as it is."""
+    return Path(model).name.removesuffix(".gguf") if Path(model).exists() or model.endswith(".gguf") else model
+
+
 def wait_healthy(name: str, url: str, process: subprocess.Popen, timeout: float, log_tail: Callable[[], str]) -> None:
     """Return once `url`/health answers 200; raise with the log's tail if `process` exits or time runs out."""
     deadline = time.monotonic() + timeout
@@ -157,15 +163,16 @@ def wait_healthy(name: str, url: str, process: subprocess.Popen, timeout: float,
 
 
 class ServeRun:
-    """`serve run` on a Serve config (the project's by default), moved to a free port, with overrides: `models`
-    (the app's `llm_configs`, each entry laid over the config's first one; default: that one model), whose
-    `engine_kwargs` and `deployment_config` are merged over that one's updated with `engine_kwargs` and
-    `engine_deployment`; `args` (the server's options), `deployments` (name -> options of the other
-    deployments) and `proxy_location`.
+    """`serve run` on a Serve config (the project's by default), moved to a free port, with overrides: `model`
+    (an embedded name, a local folder or a .gguf file in place of the config's model, served as `served_id`
+    names it), `models` (the app's `llm_configs`, each entry laid over the config's first one; default: that
+    one model), whose `engine_kwargs` and `deployment_config` are merged over that one's updated with
+    `engine_kwargs` and `engine_deployment`; `args` (the server's options), `deployments` (name -> options of
+    the other deployments) and `proxy_location`. `model_id` is the first model's served name.
 
     It runs in a user's environment (`users_environment`) with the speed settings of `make serve`
-    (`serve_env()`) on top, or with `plain=True` without them: the card's own `serve run
-    serve_config.yaml`; otherwise through `serve-app serve`. It starts a Ray cluster of its own (its own temp dir, so no cluster's address file
+    (`serve_env()`) on top, through `serve-app serve`; or with `plain=True` without them: the card's own
+    `serve run serve_config.yaml`. It starts a Ray cluster of its own (its own temp dir, so no cluster's address file
     is found there; `--address local` unless plain), so it never joins, nor disturbs, a cluster that
     happens to run on this machine; with `address` it runs on that cluster instead, `env` added to its
     environment.
@@ -185,6 +192,7 @@ class ServeRun:
         models: list[dict] | None = None,
         engine_deployment: dict | None = None,
         args: dict | None = None,
+        model: str | None = None,
     ) -> None:
         config = yaml.safe_load((config_path or ROOT / "serve_config.yaml").read_text())
         self.port = free_port()
@@ -193,6 +201,8 @@ class ServeRun:
             config["proxy_location"] = proxy_location
         app = config["applications"][0]
         shipped = app["args"]["llm_configs"][0]
+        if model is not None:  # the one model, served under its own name
+            shipped = {**shipped, "model_loading_config": {"model_id": served_id(model), "model_source": model}}
         app["args"]["llm_configs"] = [
             {
                 **shipped,
@@ -204,6 +214,7 @@ class ServeRun:
             }
             for model in models or [{}]
         ]
+        self.model_id: str = app["args"]["llm_configs"][0]["model_loading_config"]["model_id"]
         app["args"].update(args or {})
         for deployment in app["deployments"]:
             deployment.update((deployments or {}).get(deployment["name"], {}))

@@ -23,7 +23,6 @@ from serve_app.bench.idle import http_stats, wait_idle
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.servers import ServeRun
 
-MODEL = "smollm2-135m-instruct"
 MALFORMED: list[bytes] = [
     b'{"model": "smollm2-135m-instruct", "messages": [',
     b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": "many"}',
@@ -44,8 +43,10 @@ class RoundReport:
     problems: list[str] = field(default_factory=list)
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int, hang_up_after: int | None) -> str:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True}
+async def _stream(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int, hang_up_after: int | None
+) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True}
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         if response.status != 200:
             return f"status {response.status}"
@@ -69,7 +70,7 @@ async def _malformed(session: aiohttp.ClientSession, url: str, body: bytes) -> s
         return "refused" if 400 <= response.status < 500 and shaped else f"bad refusal {response.status}"
 
 
-async def _round(url: str, clients: int, duration: float, max_tokens: int, deadline_s: float) -> Counter:
+async def _round(url: str, model: str, clients: int, duration: float, max_tokens: int, deadline_s: float) -> Counter:
     prompts = make_prompts(64, seed=1, long_every=0)
     outcomes: Counter = Counter()
     end = time.monotonic() + duration
@@ -86,7 +87,7 @@ async def _round(url: str, clients: int, duration: float, max_tokens: int, deadl
                         await asyncio.sleep(0.05)
                     else:
                         hang_up = 3 if index % 3 == 0 else None
-                        outcome = await _stream(session, url, prompts[(index + turn) % len(prompts)], max_tokens, hang_up)
+                        outcome = await _stream(session, url, model, prompts[(index + turn) % len(prompts)], max_tokens, hang_up)
                 except asyncio.TimeoutError:
                     outcome = "hang"
                 except aiohttp.ClientError as error:
@@ -113,7 +114,7 @@ def run_soak(
     """`rounds` rounds of `clients` misbehaving clients against `server`, each followed by a wait for it to be idle."""
     reports: list[RoundReport] = []
     for number in range(1, rounds + 1):
-        outcomes = asyncio.run(_round(server.url, clients, duration, max_tokens, deadline_s))
+        outcomes = asyncio.run(_round(server.url, server.model_id, clients, duration, max_tokens, deadline_s))
         idle_s, back = _wait_idle(server.url, timeout=60)
         report = RoundReport(number, dict(outcomes), round(idle_s, 2), back, round(server.rss_mb(), 1))
         allowed = {"completed", "hung up", "refused"}
@@ -133,7 +134,7 @@ def memory_growth_mb(reports: list[RoundReport]) -> float:
 
 def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServeRun(Path(tmp), engine_kwargs={"cache_tokens": 8192, "max_model_len": 2048})
+        server = ServeRun(Path(tmp), engine_kwargs={"cache_tokens": 8192, "max_model_len": 2048}, model=args.model)
         try:
             reports = run_soak(server, args.concurrency, args.duration, args.rounds, args.max_tokens, args.deadline)
         finally:

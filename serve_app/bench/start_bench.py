@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from serve_app.bench.servers import ServeRun
-from serve_app.config import DEFAULT_MODEL, default_cache_dir
+from serve_app.config import default_cache_dir
 
 
 def _shared_cache(real: Path, folder: Path) -> Path:
@@ -30,16 +30,17 @@ def _shared_cache(real: Path, folder: Path) -> Path:
     return folder
 
 
-def time_start(workdir: Path, compile: bool, cache_dir: Path) -> dict:
+def time_start(workdir: Path, compile: bool, cache_dir: Path, model: str) -> dict:
     """Launch `serve run`, wait for the first chat answer; the seconds it took and what the engine reported."""
     started = time.perf_counter()
     server = ServeRun(
-        workdir, engine_kwargs={"compile": compile}, env={"SERVE_APP_CACHE_DIR": str(cache_dir)}, timeout=1800, plain=True
+        workdir, engine_kwargs={"compile": compile}, env={"SERVE_APP_CACHE_DIR": str(cache_dir)}, timeout=1800, plain=True,
+        model=model,
     )
     try:
         reply = httpx.post(
             f"{server.url}/v1/chat/completions", timeout=300,
-            json={"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+            json={"model": server.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
         )
         reply.raise_for_status()
         seconds = time.perf_counter() - started
@@ -62,7 +63,7 @@ def main(args) -> None:
         ):
             workdir = root / f"run-{index}"
             workdir.mkdir()
-            run = {"start": label, **time_start(workdir, compile, cache)}
+            run = {"start": label, **time_start(workdir, compile, cache, args.model)}
             print(json.dumps(run), flush=True)
             runs.append(run)
     eager = statistics.median(r["seconds"] for r in runs if r["start"] == "eager")
