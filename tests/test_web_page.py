@@ -8,8 +8,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import yaml
 
-from tests.inprocess import MODEL, InProcessServer, openai_client
+from serve_app import InferenceEngine
+from serve_app.http.tenants import TenantDirectory
+from tests.inprocess import MODEL, InProcessServer, engine_server, openai_client
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(
@@ -69,3 +72,34 @@ def test_a_message_streams_back_and_the_live_view_counts_it(server: InProcessSer
     assert text.startswith("TTFT ") and f"· {expected.usage.completion_tokens} tokens ·" in text, text
     assert "cached prompt tokens" in text and "tokens/s" in text
     wait.until(lambda b: (_requests_in_live_view(b) or 0) >= before + 1)
+
+
+@pytest.fixture(scope="module")
+def keyed(engine: InferenceEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys.write_text(yaml.safe_dump({"page-user": {"tenant": "acme"}, "page-admin": {"tenant": "ops", "role": "admin"}}))
+    with engine_server(engine, tenants=TenantDirectory.from_config(str(keys), secret="s")) as server:
+        yield server
+
+
+def test_with_api_keys_the_page_asks_for_one_and_keeps_it_in_the_page(keyed: InProcessServer, browser) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    browser.get(f"{keyed.url}/")
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    wait.until(lambda b: "401" in b.find_element(By.ID, "live-error").text)
+    assert Select(browser.find_element(By.ID, "model")).options == []
+    key = browser.find_element(By.ID, "api-key")
+    key.send_keys("page-user", Keys.TAB)  # a user's key: the model list, not the live view (admin routes)
+    wait.until(lambda b: MODEL in [o.text for o in Select(b.find_element(By.ID, "model")).options])
+    wait.until(lambda b: "403" in b.find_element(By.ID, "live-error").text)
+    browser.find_element(By.ID, "prompt").send_keys("Hello")
+    browser.find_element(By.ID, "send").click()
+    wait.until(lambda b: [f for f in b.find_elements(By.CSS_SELECTOR, "#conversation .figures") if f.text])
+    key.clear()
+    key.send_keys("page-admin", Keys.TAB)
+    wait.until(lambda b: _requests_in_live_view(b) is not None)
+    assert browser.find_element(By.ID, "live-error").text == ""
+    assert browser.execute_script("return localStorage.length + sessionStorage.length + document.cookie.length") == 0
