@@ -42,7 +42,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     board = ReplicaBoard.bind()
     engines = {
         llm.model_id: EngineDeployment.options(name=llm.deployment_name, **llm.deployment_config).bind(
-            llm.model_dump(mode="json", exclude_defaults=True), board
+            llm.model_dump(mode="json", exclude_defaults=True), board, server.otlp_traces_endpoint
         )
         for llm in config.llm_configs
     }

@@ -18,7 +18,7 @@ from deployments.placement import Placement
 from deployments.app_args import LLMConfig
 from serve_app.engine.calls import EngineCall
 from serve_app.engine.process import EngineProcess, EngineProcessError
-from serve_app.engine.request import GenerateRequest
+from serve_app.engine.request import GenerateRequest, StreamDelta
 from serve_app.engine.serving import (
     EngineEvent,
     RequestRefused,
@@ -27,6 +27,7 @@ from serve_app.engine.serving import (
 )
 from serve_app.http.engine_client import ModelInfo
 from serve_app.kv.page_events import PageEventBatch
+from serve_app.metrics import tracing
 from serve_app.metrics.catalog import ENGINE_METRICS, engine_samples
 from serve_app.metrics.ray_mirror import RayMetrics
 
@@ -49,8 +50,9 @@ class EngineDeployment:
     event loop: every exchange with the engine process is awaited.
     """
 
-    def __init__(self, llm: dict[str, Any], board: DeploymentHandle) -> None:
+    def __init__(self, llm: dict[str, Any], board: DeploymentHandle, traces_endpoint: str | None = None) -> None:
         llm_config = LLMConfig.model_validate(llm)
+        tracing.configure(traces_endpoint, "serve-app-engine")
         config = llm_config.engine()  # on this node: its cache folder and device, unless the args set them
         model = config.model
         self.engine = EngineProcess(
@@ -68,8 +70,27 @@ class EngineDeployment:
         self._metrics = asyncio.get_running_loop().create_task(self._mirror_metrics(RayMetrics(ENGINE_METRICS, totals=True)))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
-        async for event in engine_events(self.engine, request):
-            yield event
+        if not request.trace_context:
+            async for event in engine_events(self.engine, request):
+                yield event
+            return
+        span = tracing.tracer().start_span("engine", context=tracing.parent(request.trace_context))
+        span.set_attribute("serve_app.replica", self._replica_id)
+        tokens = 0
+        try:
+            async for event in engine_events(self.engine, request):
+                if isinstance(event, StreamDelta):
+                    tokens += len(event.token_ids)
+                    if event.queue_time_s is not None:
+                        span.set_attribute("serve_app.queue_time_s", event.queue_time_s)
+                    if event.finish_reason is not None:
+                        span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason])
+                else:
+                    span.set_attribute("serve_app.refused", event.message)
+                yield event
+        finally:
+            span.set_attribute("gen_ai.usage.output_tokens", tokens)
+            span.end()
 
     async def ask(self, call: EngineCall) -> Any | RequestRefused:
         """The engine's answer to `call` (token counts, cached KV), or the refusal it amounts to."""

@@ -37,6 +37,7 @@ from serve_app.http.prompt_encoder import PromptEncoder
 from serve_app.http.served_models import ServedModels
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.tenants import TenantDirectory
+from serve_app.metrics import tracing
 from serve_app.metrics.catalog import REQUEST_METRICS
 from serve_app.metrics.prometheus import ServerMetrics
 from serve_app.metrics.ray_mirror import RayMetrics
@@ -150,6 +151,7 @@ class Ingress:
         """`engines`: each model's engine deployment, by model id."""
         app_config = AppConfig.model_validate(config)
         server = app_config.server
+        tracing.configure(server.otlp_traces_endpoint, "serve-app-ingress")
         tenants = TenantDirectory.from_config(server.api_keys_file, server.cache_salt_secret)
         clients = {}
         for model_id, engine in engines.items():

@@ -41,6 +41,7 @@ from deployments.replica_board import NAME as BOARD
 from serve_app.engine.calls import LookupKV, RetrieveKV, StoreKV
 from serve_app.engine.request import GenerateRequest
 from serve_app.kv.prefix_cache import PageHash
+from serve_app.metrics import tracing
 from serve_app.routing.costs import DecisionCosts
 from serve_app.routing.decision import PrefixRouting
 from serve_app.routing.policy import RoutingPolicy
@@ -88,7 +89,9 @@ class PrefixAwareRouter(RequestRouter):
         loads = {key: self.replica_queue_len_cache.get(replica.replica_id) or 0 for key, replica in by_id.items()}
         adapter = _adapter_of(pending_request.args) if pending_request is not None else None
         ranked = self._routing.rank(self._page_hashes(pending_request), by_id, loads, adapter)
-        self._costs.add(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._costs.add(seconds)
+        _trace(pending_request, ranked, seconds)
         return [[by_id[key] for key in group] for group in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
@@ -157,6 +160,18 @@ def _prompt_of(args: Sequence[Any]) -> tuple[list[int], str] | None:
     if isinstance(first, (LookupKV, RetrieveKV, StoreKV)):
         return first.tokens, first.cache_salt
     return None
+
+
+def _trace(pending_request: PendingRequest | None, ranked: list[list[str]], seconds: float) -> None:
+    """A `route` span of the decision that just took `seconds`, in the request's trace (where tracing is on):
+    the replicas it ranked first."""
+    first = pending_request.args[0] if pending_request is not None and pending_request.args else None
+    if not isinstance(first, GenerateRequest) or not first.trace_context:
+        return
+    now = time.time_ns()
+    span = tracing.tracer().start_span("route", context=tracing.parent(first.trace_context), start_time=now - int(seconds * 1e9))
+    span.set_attribute("serve_app.replicas_first", list(ranked[0]) if ranked else [])
+    span.end(end_time=now)
 
 
 def _adapter_of(args: Sequence[Any]) -> str | None:

@@ -269,3 +269,7 @@ class ServerConfig(_Strict):
         1000, ge=0, description="Responses-API responses kept per tenant for previous_response_id; 0: none"
     )
     stored_response_max_age_s: float = Field(3600.0, gt=0, description="a stored response is dropped after this long")
+    otlp_traces_endpoint: str | None = Field(
+        None, description="an OTLP/HTTP traces endpoint (e.g. http://collector:4318/v1/traces): a span per request "
+        "in the ingress, the router and the engine; None: no tracing",
+    )

@@ -23,6 +23,7 @@ from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import KVError, connect, create_request, make_post_completion
 from tests.adapters import build_adapter
 from tests.inprocess import MODEL, anthropic_client, openai_client
+from tests.otlp import TraceReceiver
 from tests.tiny_models import build_tiny_model
 from tests.served import FOLLOWER_IDLE_S, check_routing_across_an_idle_spell, router_config
 
@@ -47,7 +48,16 @@ TINY = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
-def two_engines(tmp_path_factory: pytest.TempPathFactory, adapters: Path, model_path: Path) -> Iterator[ServeRun]:
+def traces() -> Iterator[TraceReceiver]:
+    receiver = TraceReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def two_engines(
+    tmp_path_factory: pytest.TempPathFactory, adapters: Path, model_path: Path, traces: TraceReceiver
+) -> Iterator[ServeRun]:
     tiny = build_tiny_model("llama", tmp_path_factory.mktemp("tiny-served"), tokenizer_from=model_path)
     run = ServeRun(
         tmp_path_factory.mktemp("scale-out"),
@@ -61,6 +71,7 @@ def two_engines(tmp_path_factory: pytest.TempPathFactory, adapters: Path, model_
         ],
         engine_kwargs={"cache_tokens": 4096, "max_model_len": 2048, "num_threads": 1, "compile": False},  # card's app: compiled
         engine_deployment=TWO_REPLICAS,
+        args={"otlp_traces_endpoint": traces.url},
     )
     try:
         _until_the_ingress_routes_to_both(run)
@@ -273,3 +284,35 @@ def test_haproxy_side_ports_listen_on_the_config_host_only(two_engines: ServeRun
         except psutil.NoSuchProcess:
             continue
     assert listening == {port: {"127.0.0.1"} for port in ports}
+
+
+def test_a_request_is_traced_through_the_ingress_the_router_and_the_engine(
+    two_engines: ServeRun, traces: TraceReceiver
+) -> None:
+    """With `otlp_traces_endpoint` set, one request is one trace: the ingress's span, and under it the router's
+    decision and the engine replica's generation, each sent by its own process to the OTLP endpoint."""
+    reply = openai_client(two_engines.url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Trace me."}], max_tokens=3, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    engines = set(httpx.get(f"{two_engines.url}/stats/replicas", timeout=10).json())
+    deadline = time.monotonic() + 60
+    while True:
+        ingress = [s for s in traces.spans if s.name == "ingress" and s.attributes.get("gen_ai.usage.output_tokens") == 3
+                   and s.attributes.get("gen_ai.usage.input_tokens") == reply.usage.prompt_tokens]
+        ids = {s.trace_id for s in ingress}
+        children = {name: [s for s in traces.spans if s.name == name and s.trace_id in ids] for name in ("route", "engine")}
+        if ingress and all(children.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert ingress and all(children.values()), [(s.service, s.name) for s in traces.spans][-20:]
+    root = next(s for s in ingress if any(c.trace_id == s.trace_id for c in children["engine"]))
+    assert root.service == "serve-app-ingress" and root.attributes["gen_ai.request.model"] == MODEL
+    assert root.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    route = [s for s in children["route"] if s.trace_id == root.trace_id]
+    engine = [s for s in children["engine"] if s.trace_id == root.trace_id]
+    assert route and all(s.parent_span_id == root.span_id and s.service == "serve-app-ingress" for s in route)
+    assert len(engine) == 1 and engine[0].parent_span_id == root.span_id and engine[0].service == "serve-app-engine"
+    assert engine[0].attributes["serve_app.replica"] in engines
+    assert engine[0].attributes["gen_ai.usage.output_tokens"] == 3 and engine[0].attributes["serve_app.queue_time_s"] >= 0
+    assert set(route[-1].attributes["serve_app.replicas_first"]) <= engines

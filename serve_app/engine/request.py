@@ -32,6 +32,9 @@ class GenerateRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     cache_salt: str = ""
+    trace_context: dict[str, str] = Field(
+        default_factory=dict, description="the W3C trace context (traceparent) of the span that asked, where tracing is on"
+    )
     lora: str | None = Field(None, description="the LoRA adapter to run with (named in lora_paths, or a folder under dynamic_lora_loading_path)")
     logprobs: int | None = Field(None, ge=0, le=20, description="also return each token's logprob and this many top ones")
     structured_output: StructuredOutput | None = Field(None, description="what the output must match, enforced per token")

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry.trace import StatusCode
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
@@ -23,6 +24,7 @@ from serve_app.http.protocols.errors import (
     from_validation_error,
 )
 from serve_app.http.streaming import ClosingStreamingResponse
+from serve_app.metrics import tracing
 from serve_app.metrics.catalog import RequestTiming
 
 if TYPE_CHECKING:
@@ -148,6 +150,7 @@ class ProtocolHandler:
         self.engine = engine
         self.observer = observer
         self.model_name = ""  # the served model's id, once the request is prepared
+        self.span = tracing.tracer().start_span("ingress", attributes={"serve_app.api": type(builder).__name__})
 
     async def handle(
         self,
@@ -173,12 +176,19 @@ class ProtocolHandler:
                 prepared.requests = [
                     r.model_copy(update={"cache_salt": cache_salt(r.cache_salt)}) for r in prepared.requests
                 ]
+            traced = tracing.carrier(self.span)
+            if traced:
+                prepared.requests = [r.model_copy(update={"trace_context": traced}) for r in prepared.requests]
             streams = [_TimedStream(self.engine.stream(r)) for r in prepared.requests]
             firsts = await _first_deltas(streams)
         except ValidationError as error:
-            return self.builder.error_response(from_validation_error(error))
+            return self._refuse(from_validation_error(error))
         except ProtocolError as error:
-            return self.builder.error_response(error)
+            return self._refuse(error)
+        except BaseException:
+            self.span.set_status(StatusCode.ERROR)
+            self.span.end()
+            raise
         choices = [Choice(index=i) for i in range(len(streams))]
         for choice, first in zip(choices, firsts):
             choice.add(first)
@@ -229,13 +239,28 @@ class ProtocolHandler:
         for event in end:
             yield event
 
+    def _refuse(self, error: ProtocolError) -> Response:
+        self.span.set_status(StatusCode.ERROR, error.message)
+        self.span.end()
+        return self.builder.error_response(error)
+
     async def _finish(self, streams: Sequence[_TimedStream], choices: Sequence[Choice]) -> None:
-        """Close the engine streams (cancelling what is unfinished), then tell the observer how each went."""
+        """Close the engine streams (cancelling what is unfinished), tell the observer how each went, end the span."""
         await _close(streams)
-        if self.observer is None:
-            return
-        for stream, choice in zip(streams, choices):
-            self.observer.on_finish(self.model_name, stream.timing(), choice)
+        if self.observer is not None:
+            for stream, choice in zip(streams, choices):
+                self.observer.on_finish(self.model_name, stream.timing(), choice)
+        span = self.span
+        span.set_attribute("gen_ai.request.model", self.model_name)
+        span.set_attribute("gen_ai.response.finish_reasons", [c.finish_reason or "cancelled" for c in choices])
+        span.set_attribute("gen_ai.usage.output_tokens", sum(len(c.token_ids) for c in choices))
+        if choices and choices[0].usage is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", choices[0].usage.prompt_tokens)
+        if streams and streams[0].ttft is not None:
+            span.set_attribute("serve_app.time_to_first_token_s", streams[0].ttft)
+        if any(c.finish_reason == "error" for c in choices):
+            span.set_status(StatusCode.ERROR)
+        span.end()
 
 
 class _TimedStream:
