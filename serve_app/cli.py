@@ -288,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--grounded-max-tokens", type=int, default=128, help="new tokens per grounded chat")
     spec.add_argument("--chat-requests", type=int, default=128, help="standard chats")
     spec.add_argument("--chat-max-tokens", type=int, default=64, help="new tokens per standard chat")
-    spec.add_argument("--concurrency", type=int, default=64, help="requests in flight on the standard chats")
+    spec.add_argument(
+        "--concurrency", type=_int_list, default=[64], help="requests in flight on the standard chats; a comma list sweeps"
+    )
     spec.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
     spec.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram matched in the context")
     spec.add_argument("--prompt-lookup-max", type=int, default=5, help="longest n-gram matched in the context")
@@ -297,7 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     soak = bench.add_parser("soak", help="many streaming clients (some hanging up, some malformed) against serve run")
     soak.add_argument("--model", default=DEFAULT_MODEL)
-    soak.add_argument("--concurrency", type=int, default=48, help="streaming clients at once")
+    soak.add_argument(
+        "--concurrency", type=int, default=48, help="streaming clients at once (one number: the rounds compare memory at one load)"
+    )
     soak.add_argument("--duration", type=float, default=120.0, help="seconds per round")
     soak.add_argument("--rounds", type=int, default=3)
     soak.add_argument("--max-tokens", type=int, default=32)

@@ -1,7 +1,7 @@
 """`serve-app bench spec`: n-gram speculative decoding against none, two engines side by side in one run.
 
 Workloads, each run on both engines in turn: one client on input-grounded chats (copy, quote or edit
-the input: `grounded_chats`), one client on the first standard chat prompts, then `--concurrency` at once
+the input: `grounded_chats`), one client on the first standard chat prompts, then each of `--concurrency` at once
 on the standard chat prompts. Greedy throughout, so both engines give the same tokens (checked).
 """
 
@@ -42,7 +42,7 @@ def run_spec_bench(args) -> tuple[list[BenchRow], list[dict]]:
             Workload("grounded", [tokenizer.encode_chat(c) for c in grounded_chats(args.grounded_requests)], 1,
                      args.grounded_max_tokens, ignore_eos=False),
             Workload("chat", chats[:8], 1, args.chat_max_tokens, ignore_eos=True),
-            Workload("chat", chats, args.concurrency, args.chat_max_tokens, ignore_eos=True),
+            *(Workload("chat", chats, clients, args.chat_max_tokens, ignore_eos=True) for clients in args.concurrency),
         ]
         for engine in engines.values():
             run_engine_bench(engine, chats[:4], 4, 8, system="warmup")
