@@ -19,7 +19,7 @@ logger = logging.getLogger("serve_app.engine")
 
 
 def log_start(engine: InferenceEngine) -> None:
-    """One line each: model, dtype, device and threads, KV pages and tokens, the requests that fit at full
+    """One line each: model, dtype, device, threads, KV pages and tokens, the requests that fit at full
     context, and whether steps run the compiled forward."""
     runner, config = engine.runner, engine.config
     usage = engine.cache.usage()
@@ -27,8 +27,8 @@ def log_start(engine: InferenceEngine) -> None:
     tokens = usage.total * page_size
     logger.info("model: %s (quantization %s)", runner.path, config.model.quantization)
     logger.info("dtype: %s", str(runner.dtype).removeprefix("torch."))
-    threads = f", {torch.get_num_threads()} threads" if runner.device.type == "cpu" else ""
-    logger.info("device: %s%s", runner.device, threads)
+    logger.info("device: %s", runner.device)
+    logger.info("threads: %d", torch.get_num_threads())
     logger.info("KV cache: %d pages of %d tokens (%s)", usage.total, page_size, config.cache.kind)
     logger.info("KV cache: %d tokens", tokens)
     logger.info(
