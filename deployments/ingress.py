@@ -101,7 +101,7 @@ class RayEngineClient(EngineClient):
     async def replica_stats(self) -> dict[str, dict[str, Any]]:
         return await self._board.per_replica.remote()
 
-    async def routing_stats(self) -> dict[str, dict[str, float]]:
+    async def routing_stats(self) -> dict[str, dict[str, Any]]:
         return await self._board.routing.remote()
 
     async def ready(self) -> bool:

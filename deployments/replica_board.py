@@ -59,7 +59,7 @@ class _DeploymentBoard:
 class ReplicaBoard:
     def __init__(self) -> None:
         self._deployments: dict[str, _DeploymentBoard] = {}
-        self._routers: dict[str, tuple[float, dict[str, float]]] = {}  # router -> (when, decision costs)
+        self._routers: dict[str, tuple[float, dict[str, Any]]] = {}  # router -> (when, its report)
 
     def _of(self, deployment: str) -> _DeploymentBoard:
         board = self._deployments.get(deployment)
@@ -114,11 +114,12 @@ class ReplicaBoard:
         board = self._of(deployment)
         return bool(board.live()), board.model_info
 
-    def report_routing(self, router: str, costs: dict[str, float]) -> None:
-        """A request router's decision count and costs (`DecisionCosts.summary`)."""
+    def report_routing(self, router: str, costs: dict[str, Any]) -> None:
+        """A request router's report: its decision count and costs (`DecisionCosts.summary`), what it follows,
+        and its `recent` decisions."""
         self._routers[router] = (time.monotonic(), costs)
 
-    def routing(self) -> dict[str, dict[str, float]]:
+    def routing(self) -> dict[str, dict[str, Any]]:
         """Each request router's latest report, by router (its deployment, process and instance)."""
         now = time.monotonic()
         for router in [k for k, (at, _) in self._routers.items() if now - at >= ROUTER_REPORTS_KEPT_S]:

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 WAIT_FOR_CHANGES_S = 1.0
 # How often a router tells the board what its decisions cost (`/stats/routing`).
 REPORT_COSTS_S = 2.0
+# The latest decisions a router reports (where each request went, and how much of its prompt was cached there).
+RECENT_DECISIONS = 8
 # Page hashes kept for requests between their first ranking and their routing.
 PENDING_HASHES = 4096
 
@@ -74,7 +76,8 @@ class PrefixAwareRouter(RequestRouter):
         self._last_request = 0.0
         self._hashes: OrderedDict[str, list[PageHash]] = OrderedDict()  # by internal request id, until routed
         self._costs = DecisionCosts()
-        self._reported: dict[str, float] = {}
+        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
+        self._reported: dict[str, Any] = {}
         self._deployment = self._deployment_id.name
         self._name = f"{self.app_name}:{self._deployment}:{os.getpid()}:{id(self):x}"
 
@@ -98,7 +101,10 @@ class PrefixAwareRouter(RequestRouter):
         hashes = self._hashes.pop(pending_request.metadata.internal_request_id, None)
         if hashes is None:
             hashes = self._page_hashes(pending_request)
-        self._routing.routed(replica_id.unique_id, hashes, _adapter_of(pending_request.args))
+        replica = replica_id.unique_id
+        cached = self._routing.index.matched_pages(hashes, [replica]).get(replica, 0) if hashes else 0
+        self._recent.append({"at": round(time.time(), 3), "replica": replica, "cached_pages": cached, "pages": len(hashes)})
+        self._routing.routed(replica, hashes, _adapter_of(pending_request.args))
 
     def _page_hashes(self, pending_request: PendingRequest | None) -> list[PageHash]:
         """The chained hashes of the request's whole prompt pages, as the engine's prefix cache makes them:
@@ -142,6 +148,7 @@ class PrefixAwareRouter(RequestRouter):
                     "follower_starts": self._follower_starts,
                     "pages_known": len(index),
                     "adapters_known": len(self._routing.adapters),
+                    "recent": list(self._recent),
                 }
                 if report != self._reported and time.monotonic() - last_report >= REPORT_COSTS_S:
                     await board.report_routing.remote(self._name, report)

@@ -17,6 +17,7 @@ from serve_app.bench.servers import ServeRun
 from serve_app.config import DEFAULT_MODEL, default_cache_dir
 from serve_app.engine.engine import InferenceEngine
 from serve_app.model.loader import resolve_model_path
+from tests.browser import open_browser
 from tests.inprocess import (
     InProcessServer,
     anthropic_client,
@@ -110,3 +111,9 @@ def oai(server: InProcessServer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def claude(server: InProcessServer) -> anthropic.Anthropic:
     return anthropic_client(server.url)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    """Debian's headless Chromium through Selenium (a test using it is marked `tests.browser.needs_chromium`)."""
+    yield from open_browser()

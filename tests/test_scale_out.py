@@ -23,6 +23,7 @@ from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import KVError, connect, create_request, make_post_completion
 from tests.adapters import build_adapter
 from tests.inprocess import MODEL, anthropic_client, openai_client
+from tests.browser import needs_chromium
 from tests.otlp import TraceReceiver
 from tests.tiny_models import build_tiny_model
 from tests.served import FOLLOWER_IDLE_S, check_routing_across_an_idle_spell, router_config
@@ -251,6 +252,11 @@ def test_the_router_reports_what_its_decisions_cost(two_engines: ServeRun) -> No
     assert sum(r["decisions"] for r in routers.values()) >= before + 3, routers
     for costs in routers.values():
         assert 0 < costs["p50_us"] <= costs["p99_us"] <= costs["max_us"], costs
+    # The latest decisions (the live view shows them): where each went, and its prompt pages cached there.
+    replicas = set(httpx.get(f"{two_engines.url}/stats/replicas", timeout=10).json())
+    recent = [d for r in routers.values() for d in r["recent"]]
+    assert recent and all(d["replica"] in replicas and 0 <= d["cached_pages"] <= d["pages"] for d in recent), recent
+    assert max(d["at"] for d in recent) > time.time() - 60
 
 
 def test_routing_in_serves_throughput_mode_and_after_the_router_idled(two_engines: ServeRun) -> None:
@@ -316,3 +322,24 @@ def test_a_request_is_traced_through_the_ingress_the_router_and_the_engine(
     assert engine[0].attributes["serve_app.replica"] in engines
     assert engine[0].attributes["gen_ai.usage.output_tokens"] == 3 and engine[0].attributes["serve_app.queue_time_s"] >= 0
     assert set(route[-1].attributes["serve_app.replicas_first"]) <= engines
+
+
+@needs_chromium
+def test_the_live_view_shows_each_replica_and_the_routers_recent_decisions(two_engines: ServeRun, browser) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    replicas = set(httpx.get(f"{two_engines.url}/stats/replicas", timeout=10).json())
+    browser.get(f"{two_engines.url}/")
+    openai_client(two_engines.url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Route me."}], max_tokens=2
+    )
+
+    def column(table: str, index: int) -> set[str]:
+        rows = browser.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")
+        return {row.find_elements(By.TAG_NAME, "td")[index].text for row in rows}
+
+    wait = WebDriverWait(browser, 60, poll_frequency=0.5)
+    wait.until(lambda _: column("replicas", 0) == replicas)
+    wait.until(lambda _: column("decisions", 1) and column("decisions", 1) <= replicas)
+    assert browser.find_element(By.ID, "live-error").text == ""

@@ -3,7 +3,6 @@ the playground streams back the model's greedy answer with its figures, and the 
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 
 import httpx
@@ -12,27 +11,10 @@ import yaml
 
 from serve_app import InferenceEngine
 from serve_app.http.tenants import TenantDirectory
+from tests.browser import needs_chromium
 from tests.inprocess import MODEL, InProcessServer, engine_server, openai_client
 
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or CHROMEDRIVER is None,
-    reason="no Chromium here: `apt-get install chromium chromium-driver` (Debian's packages; `make test` tries)",
-)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    yield driver
-    driver.quit()
+pytestmark = needs_chromium
 
 
 def _requests_in_live_view(browser) -> int | None:

@@ -68,8 +68,9 @@ class EngineClient(ABC):
         id; on a Ray cluster, the replicas of every model."""
 
     @abstractmethod
-    async def routing_stats(self) -> dict[str, dict[str, float]]:
-        """Each request router's decision count and cost, by router; none where nothing routes."""
+    async def routing_stats(self) -> dict[str, dict[str, Any]]:
+        """Each request router's decision count and cost and its recent decisions, by router; none where nothing
+        routes."""
 
     @abstractmethod
     async def ready(self) -> bool: ...
@@ -123,7 +124,7 @@ class LocalEngineClient(EngineClient):
     async def replica_stats(self) -> dict[str, dict[str, Any]]:
         return {"in-process": {"model": self.info.id, **self.engine.get_stats()}}
 
-    async def routing_stats(self) -> dict[str, dict[str, float]]:
+    async def routing_stats(self) -> dict[str, dict[str, Any]]:
         return {}  # one engine in process: nothing to route between
 
     async def ready(self) -> bool:
