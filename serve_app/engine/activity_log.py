@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from serve_app.metrics.catalog import kv_cache_usage
+
 if TYPE_CHECKING:
     from serve_app.engine.engine import InferenceEngine
 
@@ -70,8 +72,7 @@ def activity_line(before: dict[str, Any], after: dict[str, Any], seconds: float)
     running, waiting = after.get("active_tasks", 0), after.get("waiting_queue", 0)
     if not (grew("prefill_tokens") or grew("total_tokens") or running or waiting):
         return None
-    total = after.get("kv_pages_total", 0)
-    usage = (total - after.get("kv_pages_free", 0)) / total if total else 0.0
+    usage = kv_cache_usage(after)
     queried = grew("prefix_cache_queried_tokens")
     hit_rate = f"{100 * grew('prefix_cache_hit_tokens') / queried:.1f}%" if queried else "-"
     return (

@@ -99,6 +99,12 @@ def full_name(spec: MetricSpec, separator: str = ":") -> str:
     return f"{NAMESPACE}{separator}{spec.name}"
 
 
+def kv_cache_usage(stats: dict[str, Any]) -> float:
+    """The share of an engine's KV pages held by requests (`kv_cache_usage_perc`)."""
+    total = stats.get("kv_pages_total", 0)
+    return (total - stats.get("kv_pages_free", 0)) / total if total else 0.0
+
+
 def engine_samples(stats: dict[str, Any], model_name: str, replica: str) -> Iterator[Sample]:
     """What one engine replica's stats (`InferenceEngine.get_stats`) amount to."""
     common = {"model_name": model_name, "replica": replica}
@@ -108,8 +114,7 @@ def engine_samples(stats: dict[str, Any], model_name: str, replica: str) -> Iter
 
     yield sample(RUNNING, stats.get("active_tasks", 0))
     yield sample(WAITING, stats.get("waiting_queue", 0))
-    total = stats.get("kv_pages_total", 0)
-    yield sample(KV_CACHE_USAGE, (total - stats.get("kv_pages_free", 0)) / total if total else 0.0)
+    yield sample(KV_CACHE_USAGE, kv_cache_usage(stats))
     yield sample(PREFIX_CACHE_QUERIES, stats.get("prefix_cache_queried_tokens", 0))
     yield sample(PREFIX_CACHE_HITS, stats.get("prefix_cache_hit_tokens", 0))
     for tier in ("pool", *TIER_NAMES):
