@@ -201,6 +201,19 @@ def metric_samples(url: str) -> MetricSamples:
     ])
 
 
+def settled_metric_samples(url: str, name: str, heartbeat_s: float, timeout: float = 30.0) -> MetricSamples:
+    """`/metrics` once `name`'s total has stopped moving for two engine heartbeats: the board's copy of each
+    engine's counters has caught up with the requests already answered."""
+    deadline = time.monotonic() + timeout
+    last = metric_samples(url)
+    while True:
+        time.sleep(2.5 * heartbeat_s)
+        now = metric_samples(url)
+        if now.total(name) == last.total(name) or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 def ray_metric_samples(ray_dir: str) -> MetricSamples:
     """Every sample Ray's metrics agents export for the cluster whose temp dir is `ray_dir` (the targets of
     its Prometheus service-discovery file), e.g. `ray_serve_app_request_success_total`."""

@@ -15,6 +15,7 @@ import pydantic
 import pytest
 import torch
 
+from deployments.engine import HEARTBEAT_S
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.client import CompletionClient
 from serve_app.bench.idle import http_stats, wait_idle
@@ -22,7 +23,9 @@ from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import connect, create_request, make_post_completion
 from tests.agent_runs import weather_agent_answer
 from tests.inprocess import anthropic_client, openai_client
-from tests.served import check_routing_across_an_idle_spell, metric_samples, ray_metric_samples
+from tests.served import (
+    check_routing_across_an_idle_spell, metric_samples, ray_metric_samples, settled_metric_samples,
+)
 
 MODEL = "smollm2-135m-instruct"
 
@@ -86,7 +89,8 @@ def test_routing_in_serves_default_mode_and_after_the_router_idled(served: Serve
 def test_metrics_name_the_model_and_each_replica_and_reach_rays_metrics(served: ServeRun, oai: openai.OpenAI) -> None:
     """The ingress's /metrics labels its request metrics with its own replica and the engines' state with each
     engine replica; Ray's metrics agents export the same numbers (`ray_serve_app_*`) once Ray has pushed them."""
-    before = metric_samples(served.url)
+    _wait_idle(served)
+    before = settled_metric_samples(served.url, "serve_app:prefix_cache_queries_total", HEARTBEAT_S)
     reply = oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=5, temperature=0,
         extra_body={"ignore_eos": True},
