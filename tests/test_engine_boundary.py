@@ -214,7 +214,7 @@ def test_past_max_waiting_requests_a_submit_is_refused(tiny_llama_path: Path) ->
 
 def test_calls_are_bounded_and_one_that_timed_out_never_runs(tiny_llama_path: Path) -> None:
     engine = InferenceEngine(compile=False, model=str(tiny_llama_path), max_pending_calls=2, **OPTIONS)
-    scheduler = engine.scheduler
+    scheduler = engine.loop
     started, release = threading.Event(), threading.Event()
     ran: list[str] = []
 

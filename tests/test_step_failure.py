@@ -29,9 +29,9 @@ def test_the_failing_request_ends_with_an_error_and_the_others_stay_exact(
     monkeypatch.setattr(engine.runner, "forward", failing_forward)
     requests = [GenerateRequest(prompt=ids, max_tokens=16, temperature=0, ignore_eos=True) for ids in good]
     poisoned = GenerateRequest(prompt=good[0][:6] + [POISON], max_tokens=16, temperature=0, ignore_eos=True)
-    with caplog.at_level(logging.ERROR, logger="serve_app.engine.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="serve_app.engine.loop"):
         # Submitted between two steps, so that all four are admitted into the same batch.
-        bad, *results = engine.scheduler.call(lambda: [engine.submit(r) for r in [poisoned, *requests]])
+        bad, *results = engine.loop.call(lambda: [engine.submit(r) for r in [poisoned, *requests]])
         bad.wait(60)
         for result in results:
             result.wait(120)

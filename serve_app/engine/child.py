@@ -69,10 +69,10 @@ class EngineChild:
         self._submitters = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-submit")
         self._calls_in_flight = threading.BoundedSemaphore(self._max_calls)
         self._pushed = Health(engine.get_stats(), engine.healthy)
-        engine.scheduler.add_step_listener(self._flush)
+        engine.loop.add_step_listener(self._flush)
         self._page_events = engine.record_page_events()
         if self._page_events is not None:
-            engine.scheduler.add_step_listener(self._send_page_events)
+            engine.loop.add_step_listener(self._send_page_events)
 
     def serve(self) -> None:
         """Handle messages until `Shutdown`, the host's end closing, or the scheduler dying."""
@@ -88,8 +88,8 @@ class EngineChild:
                         return
                     self._handle(message)
                 if time.monotonic() >= next_health:
-                    if not self.engine.scheduler.alive:
-                        logger.error("the scheduler thread has stopped; exiting")
+                    if not self.engine.loop.alive:
+                        logger.error("the engine loop's thread has stopped; exiting")
                         return
                     self._push_health()
                     next_health = time.monotonic() + HEALTH_EVERY_S

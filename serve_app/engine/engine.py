@@ -29,8 +29,10 @@ from serve_app.engine.calls import (
 )
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.request import GenerateRequest, GenerateResult, StreamDelta
-from serve_app.engine.scheduler import InferenceScheduler, SchedulerStats
+from serve_app.engine.loop import EngineLoop
+from serve_app.engine.scheduler import Scheduler, SchedulerStats
 from serve_app.engine.speculation import SpeculationStats, Speculator
+from serve_app.engine.step import ModelStep
 from serve_app.engine.stopping import StopStringMatcher
 from serve_app.engine.task import Task
 from serve_app.engine.tier_loading import TierLoading
@@ -107,10 +109,10 @@ class InferenceEngine:
         self.tool_format: ToolFormat = self.tokenizer.tool_format if chosen == "auto" else chosen
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids)
         speculative = self.config.speculative
-        self.scheduler = InferenceScheduler(
-            self.runner, self.cache, self.config.scheduler, self.max_model_len, self.grammars,
-            Speculator(speculative) if speculative is not None else None,
+        self.scheduler = Scheduler(
+            self.cache, self.config.scheduler, self.max_model_len, Speculator(speculative) if speculative is not None else None
         )
+        self.loop = EngineLoop(self.scheduler, ModelStep(self.runner, self.scheduler, self.grammars))
         self._transfer = (
             KVTransfer(self.cache, self.runner.vocab_size)
             if isinstance(self.cache, PageCache) and self.cache.enable_prefix_caching
@@ -119,7 +121,7 @@ class InferenceEngine:
         self.tiers = self._start_tiers()  # None without kv_tiers
         self._task_ids = itertools.count(1)
         self.created = int(time.time())
-        self.scheduler.start()
+        self.loop.start()
         log_start(self)
         interval = self.config.logging.log_stats_interval_s
         self._activity = ActivityLog(self.get_stats, interval) if interval > 0 else None
@@ -149,7 +151,7 @@ class InferenceEngine:
         assert isinstance(self.cache, PageCache)
         layout = layout_key(self.runner.path, config.model.cache_dir, config.model.quantization, self.cache.page_size,
                             self.runner.kv_shape)
-        chain = TierChain(config.tiers, layout, self.scheduler.deliver_loaded)
+        chain = TierChain(config.tiers, layout, self.loop.deliver_loaded)
         self.cache.pool.record_published()
         self.scheduler.tiers = TierLoading(self.cache, chain)
         logger.info("KV tiers behind the pool: %s", ", ".join(source.name for source in chain.sources))
@@ -202,7 +204,7 @@ class InferenceEngine:
             on_finished=self._releaser(slot),
         )
         try:
-            self.scheduler.submit(task)
+            self.loop.submit(task)
         except BaseException:
             if task.on_finished is not None:
                 task.on_finished()
@@ -281,7 +283,7 @@ class InferenceEngine:
 
     def abort(self, task_id: int) -> None:
         """Cancel a task; its cache is freed at the next step."""
-        self.scheduler.abort(task_id)
+        self.loop.abort(task_id)
 
     def answer(self, call: EngineCall) -> Any:
         """What `call` asks of the engine (see `serve_app.engine.calls`); raises what the engine refuses."""
@@ -310,7 +312,7 @@ class InferenceEngine:
     @property
     def healthy(self) -> bool:
         """False once the scheduler has stopped or its steps keep failing: the host should replace this engine."""
-        return self.scheduler.healthy
+        return self.loop.healthy
 
     # -- the convenience API ------------------------------------------------------------------
     def generate(self, prompt: Prompt | Sequence[Prompt], stream: bool = False, **params: Any):
@@ -371,13 +373,13 @@ class InferenceEngine:
     def kv_lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
         """How many leading tokens of `tokens`, in whole pages, are in the prefix cache."""
         transfer, ids = self._kv_transfer(), _token_list(tokens)
-        return self.scheduler.call(lambda: transfer.lookup(ids, cache_salt))
+        return self.loop.call(lambda: transfer.lookup(ids, cache_salt))
 
     def kv_locate(self, tokens: Sequence[int], cache_salt: str = "") -> list[str]:
         """The tier holding each leading whole page of `tokens` held anywhere: "pool" (the engine's own
         pages), then "host", "disk" or "cluster" for the pages that continue beyond the pool."""
         transfer, ids = self._kv_transfer(), _token_list(tokens)
-        in_pool = self.scheduler.call(lambda: transfer.lookup(ids, cache_salt)) // transfer.page_size
+        in_pool = self.loop.call(lambda: transfer.lookup(ids, cache_salt)) // transfer.page_size
         where = ["pool"] * in_pool
         if self.tiers is not None:
             where += self.tiers.where(list(page_hashes(ids, transfer.page_size, cache_salt))[in_pool:])
@@ -386,7 +388,7 @@ class InferenceEngine:
     def kv_retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
         """`[2, n_layers, T, n_kv_heads * head_dim]` for the longest cached whole-page prefix; None under a page."""
         transfer, ids = self._kv_transfer(), _token_list(tokens)
-        return self.scheduler.call(lambda: transfer.retrieve(ids, cache_salt))
+        return self.loop.call(lambda: transfer.retrieve(ids, cache_salt))
 
     def kv_store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
         """Cache `kv` as the KV of `tokens` (whole pages); False when every page was cached already."""
@@ -396,7 +398,7 @@ class InferenceEngine:
         """As `kv_store`, answering how many pages were stored and how many were already cached."""
         transfer, ids = self._kv_transfer(), _token_list(tokens)
         transfer.check(kv, ids)
-        return self.scheduler.call(lambda: transfer.store(kv, ids, cache_salt))
+        return self.loop.call(lambda: transfer.store(kv, ids, cache_salt))
 
     def _kv_transfer(self) -> KVTransfer:
         if self._transfer is None:
@@ -419,7 +421,7 @@ class InferenceEngine:
         }
 
     def _counters(self, stats: SchedulerStats) -> dict[str, int]:
-        running, waiting = self.scheduler.counts()
+        running, waiting = self.loop.counts()
         usage = self.cache.usage()
         adapters = self.runner.adapters
         return {
@@ -466,7 +468,7 @@ class InferenceEngine:
         """Stop the scheduler thread; unfinished requests end as cancelled."""
         if self._activity is not None:
             self._activity.stop()
-        self.scheduler.stop()
+        self.loop.stop()
         if self.tiers is not None:
             self.tiers.close()
 

@@ -1,0 +1,142 @@
+"""The scheduling policy alone, with no model and no thread: admission, chunked prefill, the batch's order,
+preemption by recompute, and endings that give every page back. Each "step" here accepts a token the way
+the model step's emitter does, so the scheduler sees what it sees in an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve_app.config import SchedulerConfig
+from serve_app.engine.emitting import Emitted
+from serve_app.engine.request import GenerateResult
+from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.scheduler import Batch, Scheduler
+from serve_app.engine.stopping import StopStringMatcher
+from serve_app.engine.task import Task, TaskState
+from serve_app.kv.page_cache import PageCache
+from serve_app.kv.storage import KVShape
+from serve_app.model.detokenizer import IncrementalDetokenizer
+from serve_app.model.tokenizer import Tokenizer
+
+PAGE = 4
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: Path) -> Tokenizer:
+    return Tokenizer(model_path)
+
+
+def _scheduler(pages: int, **limits: int) -> Scheduler:
+    cache = PageCache(KVShape(1, 1, 4, torch.float32), pages * PAGE, PAGE, torch.device("cpu"), enable_prefix_caching=True)
+    config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 16, **limits})
+    return Scheduler(cache, config, MAX_MODEL_LEN)
+
+
+def _task(tokenizer: Tokenizer, task_id: int, prompt: list[int], max_tokens: int = 8) -> Task:
+    return Task(
+        task_id=task_id, prompt_len=len(prompt), tokens=list(prompt), params=SamplingParams(temperature=0),
+        max_tokens=max_tokens, stop_token_ids=frozenset(), cache_salt="",
+        result=GenerateResult(task_id=task_id, prompt_tokens=len(prompt)),
+        detokenizer=IncrementalDetokenizer(tokenizer, prompt), stop_strings=StopStringMatcher([]),
+    )
+
+
+def _step(scheduler: Scheduler, token: int = 42) -> Batch | None:
+    """What the engine's step does around the forward: schedule, record the k/v written, accept a token for
+    each task at the end of its tokens, postprocess."""
+    batch = scheduler.schedule()
+    if batch is None:
+        return None
+    sampled = [task for entry, task in zip(batch.entries, batch.tasks) if entry.end >= task.num_tokens]
+    scheduler.computed(batch)
+    scheduler.postprocess(sampled, [Emitted(task.accept(token, MAX_MODEL_LEN), 0) for task in sampled])
+    return batch
+
+
+def _spans(batch: Batch) -> list[tuple[int, int, int]]:
+    return [(entry.task_id, entry.start, entry.num_new) for entry in batch.entries]
+
+
+def test_prefills_are_chunked_to_the_token_budget_and_decodes_come_first(tokenizer: Tokenizer) -> None:
+    scheduler = _scheduler(pages=32)
+    first, second = _task(tokenizer, 1, list(range(100, 110))), _task(tokenizer, 2, list(range(200, 220)))
+    scheduler.add([first, second])
+    assert _spans(_step(scheduler)) == [(1, 0, 10), (2, 0, 6)]  # 16 tokens: all of one prompt, a chunk of the other
+    assert first.num_output == 1 and second.num_output == 0 and second.is_prefilling
+    assert _spans(_step(scheduler)) == [(1, 10, 1), (2, 6, 14)]  # the decode row first, then the rest of the prefill
+    assert first.num_output == 2 and second.num_output == 1
+    assert _spans(_step(scheduler)) == [(2, 20, 1), (1, 11, 1)]  # decodes only, longest context first
+    assert scheduler.stats.prefill_tokens == 30 and scheduler.stats.steps == 3
+
+
+def test_admission_stops_at_max_num_seqs_and_a_finished_task_lets_the_next_in(tokenizer: Tokenizer) -> None:
+    scheduler = _scheduler(pages=32, max_num_seqs=2)
+    tasks = [_task(tokenizer, i, [i] * 4, max_tokens=2) for i in (1, 2, 3)]
+    scheduler.add(tasks)
+    _step(scheduler)
+    assert [t.task_id for t in scheduler.running] == [1, 2] and [t.task_id for t in scheduler.waiting] == [3]
+    _step(scheduler)  # the second token ends the first two (max_tokens=2)
+    assert [t.result.finish_reason for t in tasks[:2]] == ["length", "length"]
+    _step(scheduler)
+    assert [t.task_id for t in scheduler.running] == [3]
+    assert scheduler.stats.prompt_tokens == 12
+
+
+def test_a_decode_out_of_pages_preempts_the_newest_task_which_recomputes_later(tokenizer: Tokenizer) -> None:
+    scheduler = _scheduler(pages=8)  # one page kept free for admissions
+    older, newer = _task(tokenizer, 1, [7] * 12, max_tokens=20), _task(tokenizer, 2, [8] * 12, max_tokens=20)
+    scheduler.add([older, newer])
+    _step(scheduler)  # both prefilled: 3 full pages each, a token each
+    assert scheduler.cache.usage().free == 2
+    while scheduler.stats.preemptions == 0:
+        _step(scheduler)
+    assert older.state is TaskState.RUNNING and newer.state is TaskState.WAITING
+    assert list(scheduler.waiting) == [newer] and newer.num_computed == 0
+    assert older.num_output > newer.num_output  # the newer one stopped growing when it was preempted
+    for _ in range(40):
+        if older.result.finished and newer.result.finished:
+            break
+        _step(scheduler)
+    assert older.result.finish_reason == newer.result.finish_reason == "length"
+    assert older.result.token_ids == newer.result.token_ids == [42] * 20  # the preempted one lost no token
+    assert scheduler.cache.usage().free == 8
+
+
+def test_a_prompt_longer_than_the_cache_can_hold_ends_with_length_at_admission(tokenizer: Tokenizer) -> None:
+    scheduler = _scheduler(pages=8)
+    too_long = _task(tokenizer, 1, [5] * (scheduler.cache.max_task_tokens + 1))
+    scheduler.add([too_long])
+    assert scheduler.schedule() is None
+    assert too_long.result.finish_reason == "length" and too_long.result.token_ids == []
+
+
+def test_a_second_prompt_with_the_same_pages_is_admitted_with_them_cached(tokenizer: Tokenizer) -> None:
+    scheduler = _scheduler(pages=32)
+    prompt = list(range(300, 313))  # three full pages and one token
+    first = _task(tokenizer, 1, prompt, max_tokens=1)
+    scheduler.add([first])
+    _step(scheduler)
+    assert first.result.finish_reason == "length" and first.result.cached_tokens == 0
+    second = _task(tokenizer, 2, prompt, max_tokens=1)
+    scheduler.add([second])
+    assert _spans(scheduler.schedule()) == [(2, 12, 1)]  # only the token after the cached pages runs
+    assert second.result.cached_tokens == 12
+    assert scheduler.stats.prefix_cache_queried_tokens == 26 and scheduler.stats.prefix_cache_hit_tokens == 12
+
+
+def test_cancelling_and_cancel_all_give_every_page_back(tokenizer: Tokenizer) -> None:
+    scheduler = _scheduler(pages=32, max_num_seqs=2)
+    tasks = [_task(tokenizer, i, [i] * 9) for i in (1, 2, 3)]
+    scheduler.add(tasks)
+    _step(scheduler)
+    scheduler.cancel({1})
+    assert tasks[0].result.finish_reason == "cancelled" and [t.task_id for t in scheduler.running] == [2]
+    late = _task(tokenizer, 4, [4] * 5)
+    scheduler.cancel_all(also=[late])
+    assert [t.result.finish_reason for t in [*tasks, late]] == ["cancelled"] * 4
+    assert not scheduler.running and not scheduler.waiting
+    assert scheduler.cache.usage().free == 32
