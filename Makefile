@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # (user code and routers on each replica's main loop, gRPC between replicas) without its direct
 # ingress, so HTTP stays on the one port of serve_config.yaml, except that on Linux HAProxy (the
 # binary `ray[serve]` installs) serves that port and forwards to the ingress's own HTTP server
-# (HAProxy mode turns direct ingress on itself), run through deployments/haproxy-bind-host so that
+# (HAProxy mode turns direct ingress on itself), run through deploy/haproxy-bind-host so that
 # its stats and metrics ports bind the config's host, not every interface; the Serve controller's
 # loop at 1 s instead of 0.1 s.
 export RAY_worker_niceness ?= 0
@@ -17,7 +17,7 @@ export RAY_SERVE_THROUGHPUT_OPTIMIZED ?= 1
 export RAY_SERVE_ENABLE_DIRECT_INGRESS ?= 0
 ifeq ($(shell uname -s),Linux)
 export RAY_SERVE_ENABLE_HA_PROXY ?= 1
-HAPROXY_BIND_HOST = RAY_SERVE_HAPROXY_BINARY_PATH=$(CURDIR)/deployments/haproxy-bind-host \
+HAPROXY_BIND_HOST = RAY_SERVE_HAPROXY_BINARY_PATH=$(CURDIR)/deploy/haproxy-bind-host \
 	SERVE_APP_HAPROXY_BINARY="$$($(BIN)/python -c 'from serve_app.bench.servers import real_haproxy_binary as b; print(b())')"
 endif
 export RAY_SERVE_CONTROL_LOOP_INTERVAL_S ?= 1.0

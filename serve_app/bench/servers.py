@@ -20,7 +20,7 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-HAPROXY_BIND_HOST = ROOT / "deployments" / "haproxy-bind-host"
+HAPROXY_BIND_HOST = ROOT / "deploy" / "haproxy-bind-host"
 
 
 # Ray starts its workers (every replica, the engine's too) at niceness 15 unless told otherwise;
@@ -70,7 +70,7 @@ def serve_env() -> dict[str, str]:
 
 
 def haproxy_binds_to_host() -> dict[str, str]:
-    """The environment that has Serve run HAProxy through `deployments/haproxy-bind-host`, which binds
+    """The environment that has Serve run HAProxy through `deploy/haproxy-bind-host`, which binds
     HAProxy's stats and metrics ports to the HTTP host instead of every interface (as `make serve` does)."""
     return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_BIND_HOST), "SERVE_APP_HAPROXY_BINARY": real_haproxy_binary()}
 
