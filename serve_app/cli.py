@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 from serve_app.config import DEFAULT_MODEL, default_cache_dir
@@ -22,11 +25,14 @@ def _prepare_model(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    """Serve's own `serve run CONFIG`, in this process (the same command the README gives)."""
-    from ray.serve.scripts import cli
-
+    """Serve's own `serve run CONFIG` (the command the README gives), in place of this process: the `serve`
+    script installed beside this Python."""
+    beside = Path(sys.executable).with_name("serve")
+    serve = str(beside) if beside.exists() else shutil.which("serve")
+    if serve is None:
+        sys.exit("serve-app: Ray Serve's `serve` command is not installed (pip install 'ray[serve]')")
     address = ["--address", args.address] if args.address else []
-    cli.main(args=["run", *address, str(args.config)], prog_name="serve")
+    os.execv(serve, [serve, "run", *address, str(args.config)])
 
 
 def _bench_engine(args: argparse.Namespace) -> None:
