@@ -13,23 +13,16 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.app_args import LLMConfig
 from deployments.model_copy import model_here
 from deployments.placement import Placement
-from deployments.app_args import LLMConfig
-from serve_app.engine.calls import EngineCall
+from deployments.ray_metrics import RayMetrics
+from serve_app.engine.io import EngineCall, GenerateRequest, ModelInfo, RequestRefused, StreamDelta
 from serve_app.engine.process import EngineProcess, EngineProcessError
-from serve_app.engine.request import GenerateRequest, StreamDelta
-from serve_app.engine.serving import (
-    EngineEvent,
-    RequestRefused,
-    answer_or_refusal,
-    engine_events,
-)
-from serve_app.http.engine_client import ModelInfo
+from serve_app.engine.serving import EngineEvent, answer_or_refusal, engine_events
 from serve_app.kv.page_events import PageEventBatch
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import ENGINE_METRICS, engine_samples
-from serve_app.metrics.ray_mirror import RayMetrics
 
 logger = logging.getLogger(__name__)
 

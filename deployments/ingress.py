@@ -22,25 +22,19 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.app_args import AppConfig
 from deployments.model_copy import model_here
+from deployments.ray_metrics import RayMetrics
 from deployments.response_store import RayResponses
-from serve_app.engine.calls import CountTokens, EngineCall
-from serve_app.engine.request import GenerateRequest, StreamDelta
+from serve_app.engine.io import CountTokens, EngineCall, GenerateRequest, ModelInfo, StreamDelta
 from serve_app.http.app import create_api
 from serve_app.http.context import ServerContext
-from serve_app.http.engine_client import (
-    EngineClient,
-    ModelInfo,
-    deltas_from_events,
-    unwrap,
-)
+from serve_app.http.engine_client import EngineClient, deltas_from_events, unwrap
 from serve_app.http.prompt_encoder import PromptEncoder
-from serve_app.http.served_models import ServedModels
 from serve_app.http.protocols.errors import ProtocolError
+from serve_app.http.served_models import ServedModels
 from serve_app.http.tenants import TenantDirectory
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import REQUEST_METRICS
 from serve_app.metrics.prometheus import ServerMetrics
-from serve_app.metrics.ray_mirror import RayMetrics
 from serve_app.model.loader import resolve_model_path
 
 logger = logging.getLogger(__name__)

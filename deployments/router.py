@@ -38,8 +38,7 @@ from ray.serve.request_router import (
 )
 
 from deployments.replica_board import NAME as BOARD
-from serve_app.engine.calls import LookupKV, RetrieveKV, StoreKV
-from serve_app.engine.request import GenerateRequest
+from serve_app.engine.io import GenerateRequest, LookupKV, RetrieveKV, StoreKV
 from serve_app.kv.prefix_cache import PageHash
 from serve_app.metrics import tracing
 from serve_app.routing.costs import DecisionCosts

@@ -15,12 +15,12 @@ _EXPORTS = {
     "ModelConfig": "serve_app.config",
     "SchedulerConfig": "serve_app.config",
     "InferenceEngine": "serve_app.engine.engine",
-    "GenerateRequest": "serve_app.engine.request",
-    "GenerateResult": "serve_app.engine.request",
-    "SamplingParams": "serve_app.engine.sampling_params",
-    "StreamDelta": "serve_app.engine.request",
-    "StructuredOutput": "serve_app.engine.structured_output",
-    "Usage": "serve_app.engine.request",
+    "GenerateRequest": "serve_app.engine.io",
+    "GenerateResult": "serve_app.engine.result",
+    "SamplingParams": "serve_app.engine.io",
+    "StreamDelta": "serve_app.engine.io",
+    "StructuredOutput": "serve_app.engine.io",
+    "Usage": "serve_app.engine.io",
 }
 
 __all__ = sorted(_EXPORTS)

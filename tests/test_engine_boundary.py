@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.engine.calls import RetrieveKV
 from serve_app.engine.child import EngineChild
 from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.io import GenerateRequest, RetrieveKV
 from serve_app.engine.messages import (
     Accepted,
     Call,
@@ -31,7 +31,6 @@ from serve_app.engine.messages import (
     receive,
     send,
 )
-from serve_app.engine.request import GenerateRequest
 from serve_app.errors import EngineOverloadedError
 from serve_app.kv.page_events import PageEventBatch
 from serve_app.kv.prefix_cache import page_hashes

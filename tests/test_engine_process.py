@@ -12,17 +12,9 @@ import torch
 
 from serve_app.bench.idle import wait_idle
 from serve_app.config import EngineConfig
-from serve_app.engine.calls import (
-    CountTokens,
-    GetKVConfig,
-    GetStats,
-    LookupKV,
-    RetrieveKV,
-    StoreKV,
-)
 from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.io import CountTokens, GenerateRequest, GetKVConfig, GetStats, LookupKV, RetrieveKV, StoreKV
 from serve_app.engine.process import EngineProcess, EngineProcessError
-from serve_app.engine.request import GenerateRequest
 from serve_app.errors import InvalidRequestError
 
 OPTIONS = dict(kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=512)

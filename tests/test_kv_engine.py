@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.request import GenerateRequest
+from serve_app.engine.io import GenerateRequest
 from serve_app.kvsdk import rerotate_k
 from tests.prompts import _PASSAGE
 from tests.references import ReferenceModel

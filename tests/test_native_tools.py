@@ -17,8 +17,7 @@ import jsonschema
 import pytest
 
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.structured_output import StructuredOutput
-from serve_app.http.engine_client import ModelInfo
+from serve_app.engine.io import ModelInfo, StructuredOutput
 from serve_app.http.protocols.anthropic import MessagesBuilder
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.http.tools import format_for

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from serve_app import GenerateRequest, InferenceEngine
+from serve_app.engine.io import SamplingParams
 from serve_app.engine.sampling import (
     MinPStrategy,
     PenaltyStrategy,
     SamplingBatch,
-    SamplingParams,
     SamplingPipeline,
     TemperatureStrategy,
     TopKStrategy,

@@ -11,8 +11,8 @@ import torch
 
 from serve_app.config import SchedulerConfig
 from serve_app.engine.emitting import Emitted
-from serve_app.engine.request import GenerateResult
-from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.io import SamplingParams
+from serve_app.engine.result import GenerateResult
 from serve_app.engine.scheduler import Batch, Scheduler
 from serve_app.engine.stopping import StopStringMatcher
 from serve_app.engine.task import Task, TaskState

@@ -16,16 +16,16 @@ from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.idle import wait_idle
 from serve_app.bench.prompts import grounded_chats
 from serve_app.config import EngineConfig
-from serve_app.engine.sampling import SamplingBatch, SamplingParams, SamplingPipeline
+from serve_app.engine.io import SamplingParams, StructuredOutput
+from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
 from serve_app.engine.speculation import REMEASURE_AFTER, NgramIndex, StepTimes
-from serve_app.engine.structured_output import StructuredOutput
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import step_context
 from serve_app.model.runner import ForwardBatch
 from tests.inprocess import MODEL, engine_server, openai_client
 from tests.prompts import oracle_prompts
-from tests.served import metric_samples
 from tests.references import ReferenceModel
+from tests.served import metric_samples
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 NEW_TOKENS = 32

@@ -23,7 +23,7 @@ import pytest
 
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.idle import wait_idle
-from serve_app.engine.structured_output import StructuredOutput
+from serve_app.engine.io import StructuredOutput
 from serve_app.errors import InvalidRequestError
 from tests.inprocess import MODEL, InProcessServer
 from tests.references import ReferenceModel

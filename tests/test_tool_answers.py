@@ -17,8 +17,7 @@ import pydantic
 import pytest
 
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.request import GenerateRequest
-from serve_app.http.engine_client import ModelInfo
+from serve_app.engine.io import GenerateRequest, ModelInfo
 from serve_app.http.protocols.anthropic import MessagesBuilder
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.http.protocols.responses import ResponsesBuilder

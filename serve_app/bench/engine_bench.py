@@ -14,7 +14,7 @@ from tqdm import tqdm
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, RequestTiming, format_table
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.request import GenerateRequest, StreamDelta
+from serve_app.engine.io import GenerateRequest, StreamDelta
 
 
 @dataclass

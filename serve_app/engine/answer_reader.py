@@ -19,7 +19,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from serve_app.engine.structured_output import StructuredOutput, ToolCallGrammar
+from serve_app.engine.io import StructuredOutput, ToolCallGrammar
 
 NAME = r'"(?P<name>(?:[^"\\]|\\.)*)"'  # a JSON string, its body captured as `name`
 # A header or closer that has not matched within this many characters never will: what follows is not a call.

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 
 from serve_app.config import EngineConfig
 from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.io import StreamDelta
 from serve_app.engine.messages import (
     Abort,
     Accepted,
@@ -43,7 +44,6 @@ from serve_app.engine.messages import (
     receive,
     send,
 )
-from serve_app.engine.request import StreamDelta
 from serve_app.errors import EngineOverloadedError
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.engine.grammar import GrammarCompiler
-from serve_app.engine.request import StreamDelta, TokenLogprob, merge_deltas
+from serve_app.engine.io import StreamDelta, TokenLogprob, merge_deltas
 from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
 from serve_app.engine.task import Task
 

@@ -16,20 +16,25 @@ import torch
 
 from serve_app.config import EngineConfig, ToolFormat
 from serve_app.engine.activity_log import ActivityLog, log_start
-from serve_app.engine.calls import (
+from serve_app.engine.grammar import GrammarCompiler
+from serve_app.engine.io import (
+    TIER_NAMES,
     CountTokens,
     EngineCall,
+    GenerateRequest,
     GetKVConfig,
-    ListAdapters,
     GetStats,
+    KVConfig,
     KVLookup,
+    ListAdapters,
     LookupKV,
     RetrieveKV,
     StoreKV,
+    StoreResult,
+    StreamDelta,
 )
-from serve_app.engine.grammar import GrammarCompiler
-from serve_app.engine.request import GenerateRequest, GenerateResult, StreamDelta
 from serve_app.engine.loop import EngineLoop
+from serve_app.engine.result import GenerateResult
 from serve_app.engine.scheduler import Scheduler, SchedulerStats
 from serve_app.engine.speculation import SpeculationStats, Speculator
 from serve_app.engine.step import ModelStep
@@ -43,9 +48,8 @@ from serve_app.kv.page_cache import PageCache
 from serve_app.kv.page_events import PageEventLog
 from serve_app.kv.prefix_cache import page_hashes
 from serve_app.kv.tiers.layout import layout_key
-from serve_app.kv.tiers.pages import TIER_NAMES
 from serve_app.kv.tiers.tier_chain import TierChain
-from serve_app.kv.transfer import KVConfig, KVTransfer, StoreResult
+from serve_app.kv.transfer import KVTransfer
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
 from serve_app.model.tokenizer import Tokenizer
@@ -286,7 +290,7 @@ class InferenceEngine:
         self.loop.abort(task_id)
 
     def answer(self, call: EngineCall) -> Any:
-        """What `call` asks of the engine (see `serve_app.engine.calls`); raises what the engine refuses."""
+        """What `call` asks of the engine (see the calls in `serve_app.engine.io`); raises what the engine refuses."""
         match call:
             case CountTokens(request):
                 return len(self.prompt_ids(request))

@@ -20,13 +20,13 @@ import torch
 
 from serve_app.engine.answer_guard import AnswerGuard
 from serve_app.engine.answer_reader import reader_for
-from serve_app.engine.structured_output import StructuredOutput, ToolCallGrammar
+from serve_app.engine.io import StructuredOutput, ToolCallGrammar
 from serve_app.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import xgrammar
 
-    from serve_app.engine.request import GenerateRequest
+    from serve_app.engine.io import GenerateRequest
 
 # Our tool-call formats as xgrammar's structural-tag builders name them.
 _XGRAMMAR_MODEL = {"hermes": "qwen_3", "llama3_json": "llama"}

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TypeVar
 
-from serve_app.engine.request import StreamDelta
+from serve_app.engine.io import StreamDelta
 from serve_app.engine.scheduler import Batch, Scheduler
 from serve_app.engine.step import ModelStep
 from serve_app.engine.task import Task, TaskState

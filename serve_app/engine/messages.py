@@ -26,8 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serve_app.config import ToolFormat
-from serve_app.engine.calls import EngineCall
-from serve_app.engine.request import GenerateRequest, StreamDelta
+from serve_app.engine.io import EngineCall, GenerateRequest, StreamDelta
 from serve_app.kv.page_events import PageEventBatch
 
 

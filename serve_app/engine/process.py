@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serve_app.config import EngineConfig
-from serve_app.engine.calls import EngineCall
+from serve_app.engine.io import EngineCall, GenerateRequest, StreamDelta
 from serve_app.engine.messages import (
     Abort,
     Accepted,
@@ -48,7 +48,7 @@ from serve_app.engine.messages import (
     receive,
     send,
 )
-from serve_app.engine.request import GenerateRequest, GenerateResult, StreamDelta
+from serve_app.engine.result import GenerateResult
 from serve_app.kv.page_events import PageEventBatch, PageEventBuffer
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.engine.sampling_params import SamplingParams
+from serve_app.engine.io import SamplingParams
 
 _NEG_INF = float("-inf")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from serve_app.config import SchedulerConfig
 from serve_app.engine.emitting import Emitted
-from serve_app.engine.request import StreamDelta
+from serve_app.engine.io import StreamDelta
 from serve_app.engine.speculation import Speculator
 from serve_app.engine.task import Task, TaskState
 from serve_app.engine.tier_loading import TierLoading

@@ -8,16 +8,12 @@ handles; the HTTP side turns it back into an error of its protocol's shape.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from serve_app.config import ToolFormat
-from serve_app.engine.calls import EngineCall
-from serve_app.engine.request import GenerateRequest, GenerateResult, StreamDelta
+from serve_app.engine.io import EngineCall, GenerateRequest, RequestRefused, StreamDelta
+from serve_app.engine.result import GenerateResult
 from serve_app.errors import CacheFullError, EngineOverloadedError, InvalidRequestError
-
-RefusalKind = Literal["invalid_request", "not_ready", "overloaded"]
-
 
 class ServingEngine(Protocol):
     """An engine, in this process or in its own."""
@@ -31,15 +27,6 @@ class ServingEngine(Protocol):
 
     @property
     def healthy(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class RequestRefused:
-    """The engine would not take a request or a call."""
-
-    kind: RefusalKind
-    message: str
-    param: str | None = None
 
 
 EngineEvent = StreamDelta | RequestRefused

@@ -10,13 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from serve_app.engine.request import (
-    FinishReason,
-    GenerateResult,
-    StreamDelta,
-    TokenLogprob,
-)
-from serve_app.engine.sampling import SamplingParams
+from serve_app.engine.io import FinishReason, SamplingParams, StreamDelta, TokenLogprob
+from serve_app.engine.result import GenerateResult
 from serve_app.engine.speculation import TaskSpeculation
 from serve_app.engine.stopping import StopStringMatcher
 

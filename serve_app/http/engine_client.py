@@ -9,39 +9,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from serve_app.config import ToolFormat
-from serve_app.engine.calls import EngineCall
-from serve_app.engine.request import GenerateRequest, StreamDelta
-from serve_app.engine.serving import RequestRefused, answer_or_refusal, engine_events
+from serve_app.engine.io import EngineCall, GenerateRequest, ModelInfo, RequestRefused, StreamDelta
+from serve_app.engine.serving import answer_or_refusal, engine_events
 from serve_app.http.protocols.errors import ProtocolError
 
 if TYPE_CHECKING:
     from serve_app.engine.engine import InferenceEngine
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The model a server answers for."""
-
-    id: str
-    max_model_len: int
-    created: int
-    tool_format: ToolFormat
-
-    def adapter_of(self, requested: str, param: str = "model") -> str | None:
-        """The LoRA adapter a request's `model` names (`<id>:<adapter>`; None for the model itself);
-        ProtocolError `not_found` (404) for a model not served here."""
-        if requested == self.id:
-            return None
-        base, _, adapter = requested.partition(":")
-        if base == self.id and adapter:
-            return adapter
-        raise ProtocolError("not_found", f"{param}: {requested!r} is not served by this engine ({self.id!r})", param)
 
 
 class EngineClient(ABC):
@@ -53,7 +30,7 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def ask(self, call: EngineCall) -> Any:
-        """The engine's answer to `call` (`serve_app.engine.calls`); ProtocolError for what it refuses."""
+        """The engine's answer to `call` (the calls in `serve_app.engine.io`); ProtocolError for what it refuses."""
 
     @abstractmethod
     async def model_info(self) -> ModelInfo: ...

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from serve_app.engine.request import GenerateRequest
+from serve_app.engine.io import GenerateRequest
 from serve_app.errors import InvalidRequestError
 from serve_app.http.protocols.errors import invalid
 

@@ -7,9 +7,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from serve_app.engine.calls import ListAdapters
+from serve_app.engine.io import ListAdapters, ModelInfo
 from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.errors import ProtocolError
+
+
+def adapter_of(model: ModelInfo, requested: str, param: str = "model") -> str | None:
+    """The LoRA adapter a request's `model` names (`<id>:<adapter>`; None for the model itself);
+    ProtocolError `not_found` (404) for a model not served here."""
+    if requested == model.id:
+        return None
+    base, _, adapter = requested.partition(":")
+    if base == model.id and adapter:
+        return adapter
+    raise ProtocolError("not_found", f"{param}: {requested!r} is not served by this engine ({model.id!r})", param)
 
 
 class ServedModels:

@@ -9,52 +9,13 @@ reads them instead of computing them. Every method runs on the scheduler thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
 import torch
 
+from serve_app.engine.io import StoreResult
 from serve_app.errors import CacheFullError, InvalidRequestError
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.prefix_cache import page_hashes
-
-
-@dataclass(frozen=True)
-class KVConfig:
-    """What a KV tensor means: its page size, geometry, dtype, and the model's rotary embedding.
-
-    `rope_inv_freq` holds the rotary frequencies of each of the `rotary_dim / 2` pairs of a head
-    (pairs are `(i, i + rotary_dim / 2)`, as in Hugging Face models), so K can be moved to other
-    positions whatever the RoPE variant.
-    """
-
-    page_size: int
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    dtype: str
-    rope_type: str
-    rope_theta: float | None
-    rotary_dim: int
-    rope_inv_freq: tuple[float, ...]
-
-    def to_dict(self) -> dict[str, object]:
-        return {**asdict(self), "rope_inv_freq": list(self.rope_inv_freq)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, object]) -> KVConfig:
-        return cls(**{**data, "rope_inv_freq": tuple(data["rope_inv_freq"])})  # type: ignore[arg-type]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-
-@dataclass(frozen=True)
-class StoreResult:
-    """How many pages a store wrote, and how many were already cached (and skipped)."""
-
-    stored_pages: int
-    deduplicated_pages: int
 
 
 class KVTransfer:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import httpx
-import torch
 
+from serve_app.engine.io import KVConfig
 from serve_app.http.protocols.kv import MEDIA_TYPE, decode_kv, encode_kv
-from serve_app.kv.transfer import KVConfig
 from serve_app.kvsdk.errors import error_message
+
+if TYPE_CHECKING:
+    import torch
 
 
 class KVError(RuntimeError):

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+from serve_app.engine.io import KVConfig
 
-from serve_app.kv.transfer import KVConfig
+if TYPE_CHECKING:
+    import torch
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    import torch
+
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -25,6 +29,8 @@ def rerotate_k(
     RoPE rotates each pair of K's rotary dims by `position * inv_freq`; rotations add, so moving a
     token rotates by `(new - old) * inv_freq`. V carries no position and is returned as it is.
     """
+    import torch  # the SDK loads torch only where it works on a tensor
+
     old = torch.as_tensor(old_positions, dtype=torch.float64)
     new = torch.as_tensor(new_positions, dtype=torch.float64)
     if old.shape != (kv.shape[2],) or new.shape != (kv.shape[2],):

@@ -10,15 +10,16 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from serve_app.kvsdk.completion import PostCompletion
 from serve_app.kvsdk.context import KVContext
 from serve_app.kvsdk.metrics import StreamPerfMetrics
 
-ModifyFn = Callable[[torch.Tensor, list[int]], tuple[torch.Tensor, Sequence[int]]]
+if TYPE_CHECKING:
+    import torch
+
+ModifyFn = Callable[["torch.Tensor", list[int]], tuple["torch.Tensor", Sequence[int]]]
 
 
 class RequestStreamError(RuntimeError):

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from serve_app.kv.tiers.pages import TIER_NAMES
+from serve_app.engine.io import TIER_NAMES
 
 NAMESPACE = "serve_app"
 COMMON_LABELS = ("model_name", "replica")

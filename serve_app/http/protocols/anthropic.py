@@ -8,10 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.engine.request import GenerateRequest, StreamDelta, Usage
-from serve_app.engine.sampling_params import SamplingParams
-from serve_app.engine.structured_output import StructuredOutput
-from serve_app.http.engine_client import ModelInfo
+from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput, Usage
 from serve_app.http.protocols.base import (
     Choice,
     PreparedRequest,
@@ -24,6 +21,7 @@ from serve_app.http.protocols.errors import (
     refuse_fields,
     validate_body,
 )
+from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import (
     Prompt,
@@ -202,7 +200,7 @@ def parse(model: type[BaseModel], body: Any, served: ModelInfo) -> Any:
     """Validate a body and its `model` (an unknown model is a 404, as Anthropic's API answers)."""
     refuse_fields(body, UNSUPPORTED)
     req = validate_body(model, body)
-    served.adapter_of(req.model)  # an unknown model is a 404, as Anthropic's API answers
+    adapter_of(served, req.model)  # an unknown model is a 404, as Anthropic's API answers
     return req
 
 
@@ -296,7 +294,7 @@ class MessagesBuilder(ResponseBuilder):
             stop=list(req.stop_sequences or []),
             structured_output=req.output_constraint(tools, tool_plan),
             max_string_tokens=req.max_string_tokens,
-            lora=model.adapter_of(req.model),
+            lora=adapter_of(model, req.model),
         )
         constraint = request.structured_output
         options = {"blocks": _BlockStream(constraint) if tool_plan is not None and constraint else None}  # a tool-mode answer's

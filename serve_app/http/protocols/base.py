@@ -16,8 +16,8 @@ from opentelemetry.trace import StatusCode
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from serve_app.engine.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
-from serve_app.http.engine_client import EngineClient, ModelInfo
+from serve_app.engine.io import GenerateRequest, ModelInfo, StreamDelta, TokenLogprob, Usage
+from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.errors import (
     RETRY_LATER,
     ProtocolError,

@@ -16,10 +16,15 @@ from pydantic import (
     model_validator,
 )
 
-from serve_app.engine.request import GenerateRequest, StreamDelta, TokenLogprob, Usage
-from serve_app.engine.sampling_params import SamplingParams
-from serve_app.engine.structured_output import StructuredOutput
-from serve_app.http.engine_client import ModelInfo
+from serve_app.engine.io import (
+    GenerateRequest,
+    ModelInfo,
+    SamplingParams,
+    StreamDelta,
+    StructuredOutput,
+    TokenLogprob,
+    Usage,
+)
 from serve_app.http.protocols.base import (
     Choice,
     PreparedRequest,
@@ -34,6 +39,7 @@ from serve_app.http.protocols.errors import (
     refuse_fields,
     validate_body,
 )
+from serve_app.http.served_models import adapter_of
 from serve_app.http.tenants import check_client_salt
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import (
@@ -459,7 +465,7 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         refuse_fields(body, UNSUPPORTED)
         req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
-        lora = model.adapter_of(req.model)
+        lora = adapter_of(model, req.model)
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         prompt = req.prompt(tools, tool_plan)
         constraint = req.output_constraint(tools, tool_plan)
@@ -591,7 +597,7 @@ class CompletionsBuilder(_OpenAIBuilder):
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         refuse_fields(body, {**UNSUPPORTED, "response_format": "legacy completions take structured_outputs"})
         req: CompletionRequest = validate_body(CompletionRequest, body)
-        lora = model.adapter_of(req.model)
+        lora = adapter_of(model, req.model)
         if req.echo:
             raise invalid("echo: only false is supported", "echo")
         if req.suffix:

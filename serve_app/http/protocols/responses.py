@@ -21,10 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from serve_app.engine.request import GenerateRequest, StreamDelta
-from serve_app.engine.sampling_params import SamplingParams
-from serve_app.engine.structured_output import StructuredOutput
-from serve_app.http.engine_client import ModelInfo
+from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput
 from serve_app.http.protocols.base import (
     Choice,
     PreparedRequest,
@@ -41,6 +38,7 @@ from serve_app.http.protocols.errors import (
 )
 from serve_app.http.protocols.openai import openai_error
 from serve_app.http.response_store import StoredResponse
+from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import (
     ToolCall,
@@ -311,7 +309,7 @@ class ResponsesBuilder(ResponseBuilder):
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
         refuse_fields(body, UNSUPPORTED)
         req: ResponsesRequest = validate_body(ResponsesRequest, body)
-        lora = model.adapter_of(req.model)
+        lora = adapter_of(model, req.model)
         previous_id = self.previous.response["id"] if self.previous is not None else None
         if req.previous_response_id != previous_id:
             raise ProtocolError(

@@ -8,8 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from serve_app.engine.calls import CountTokens
-from serve_app.engine.request import GenerateRequest
+from serve_app.engine.io import CountTokens, GenerateRequest
 from serve_app.http.body import read_json
 from serve_app.http.context import ServerContext, context_of
 from serve_app.http.protocols.anthropic import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from serve_app.engine.calls import GetKVConfig, LookupKV, RetrieveKV, StoreKV
+from serve_app.engine.io import GetKVConfig, LookupKV, RetrieveKV, StoreKV
 from serve_app.http.body import read_body, read_json
 from serve_app.http.context import context_of
 from serve_app.http.engine_client import EngineClient

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from serve_app.config import ToolFormat
 from serve_app.engine.answer_reader import AnswerReader, CallPart, TextPart, tool_reader
-from serve_app.engine.structured_output import FunctionTool, StructuredOutput, ToolCallGrammar
+from serve_app.engine.io import FunctionTool, StructuredOutput, ToolCallGrammar
 from serve_app.http.protocols.errors import invalid
 
 ToolMode = Literal["auto", "required", "named"]

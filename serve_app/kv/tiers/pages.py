@@ -18,7 +18,6 @@ from serve_app.kv.prefix_cache import PageHash
 from serve_app.kv.storage import Storage
 
 PageKey = bytes
-TIER_NAMES = ("host", "disk", "cluster")
 
 
 def page_keys(layout: bytes, hashes: Sequence[PageHash]) -> list[PageKey]:
