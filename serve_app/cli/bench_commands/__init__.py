@@ -1,0 +1,35 @@
+"""`serve-app bench <command>`: each command's options and how it runs, a module each (its bench's code is
+imported only when it runs, so `--help` stays quick)."""
+
+from __future__ import annotations
+
+import argparse
+
+from serve_app.cli.bench_commands import (
+    clients,
+    compare,
+    decode_kernel,
+    engine,
+    gpu_check,
+    lora,
+    prefix,
+    process_cpu,
+    quant,
+    route,
+    serve,
+    soak,
+    spec,
+    start,
+    structured,
+    tiers,
+)
+
+COMMANDS = [engine, compare, serve, prefix, tiers, spec, soak, start, process_cpu, decode_kernel, structured, lora, clients, quant, gpu_check, route]
+
+
+def add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    for command in COMMANDS:
+        parser = bench.add_parser(command.NAME, help=command.HELP)
+        command.add_options(parser)
+        parser.set_defaults(func=command.run)

@@ -1,0 +1,66 @@
+"""The CLI's parser: help that shows each option's default, one help text for the options several commands share
+(one name, one meaning), and the list types of comma-separated options."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def str_list(text: str) -> list[str]:
+    return [part for part in text.split(",") if part]
+
+
+def quantization_list(text: str) -> list[str]:
+    kinds = str_list(text)
+    if not kinds or any(kind not in ("int8", "fp8") for kind in kinds):
+        raise argparse.ArgumentTypeError(f"{text!r}: int8, fp8 or both, comma-separated")
+    return kinds
+
+
+def int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each option's help followed by its default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default is None or default is False or default == argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """A parser whose help shows defaults; the options that several commands share get their one help text."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def format_help(self) -> str:
+        for action in self._actions:
+            if action.help is None and action.dest in SHARED_HELP:
+                action.help = SHARED_HELP[action.dest]
+        return super().format_help()
+
+
+# The help of the options several commands share: one name, one meaning.
+SHARED_HELP = {
+    "model": "the model: an embedded model name or a local Hugging Face folder",
+    "json": "also write the report to this JSON file",
+    "seed": "seed of the prompt set",
+    "max_tokens": "new tokens per request",
+    "requests": "number of requests",
+    "concurrency": "requests in flight; a comma list sweeps, e.g. 1,8,32",
+    "device": "where it runs: cpu, cuda, cuda:N",
+    "quantization": "the model's weights: none or int8",
+    "page_size": "tokens per KV page",
+    "rounds": "rounds to repeat (alternating where it compares)",
+    "conversations": "conversations",
+    "turns": "turns per conversation",
+    "max_model_len": "context limit per request",
+    "cache_tokens": "the KV cache's size, in tokens",
+}
