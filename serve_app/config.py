@@ -22,7 +22,7 @@ def default_cache_dir() -> Path:
 
 # How tools reach a model (`serve_app.model.tokenizer.template_tool_format` reads it off a chat template).
 ToolFormat = Literal["generic", "hermes", "llama3_json"]
-# A model's weights: `serve_app.model.quantization` applies it.
+# A model's weights: `serve_app.model.quant.quantization` applies it.
 Quantization = Literal["none", "int8", "fp8"]
 
 

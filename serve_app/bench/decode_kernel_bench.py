@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from serve_app.model.decode_kernel import DecodeKernel, build_decode_kernel
-from serve_app.model.native import build_library
+from serve_app.model.kernels.decode_kernel import DecodeKernel, build_decode_kernel
+from serve_app.model.kernels.native import build_library
 
 TRAFFIC_BYTES = 64 * 1024 * 1024
 

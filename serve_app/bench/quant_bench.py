@@ -26,7 +26,7 @@ from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, format_table
 from serve_app.config import Quantization, default_cache_dir
 from serve_app.engine.engine import InferenceEngine
-from serve_app.model.quantization import apply_quantization
+from serve_app.model.quant.quantization import apply_quantization
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from serve_app.kv.view import KVCacheView
-from serve_app.model.decode_kernel import DecodeKernel
+from serve_app.model.kernels.decode_kernel import DecodeKernel
 
 ATTENTION_NAME = "serve_app_kv"
 

@@ -30,7 +30,7 @@ from serve_app.kv.storage import Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import LAYER_INDEX, step_context
 from serve_app.model.compile_cache import CompileCacheCounts
-from serve_app.model.onednn_linear import onednn_supported, pack_linears, restore_linears
+from serve_app.model.kernels.onednn_linear import onednn_supported, pack_linears, restore_linears
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import attention_window, register_attention, step_context
 from serve_app.model.compile_cache import compile_cache_dir
 from serve_app.model.compiled import CompiledForward, compile_forward, compile_unsupported
-from serve_app.model.lora import AdapterRows, AdapterSlots, lora_rows, wrap_targets
-from serve_app.model.decode_kernel import load_decode_kernel
+from serve_app.model.kernels.decode_kernel import load_decode_kernel
 from serve_app.model.loader import resolve_model_path
-from serve_app.model.quantization import apply_quantization
+from serve_app.model.lora import AdapterRows, AdapterSlots, lora_rows, wrap_targets
+from serve_app.model.quant.quantization import apply_quantization
 from serve_app.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

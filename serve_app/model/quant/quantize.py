@@ -29,7 +29,7 @@ import weakref
 
 import torch
 
-from serve_app.model.int8_gemv import Int8Gemv, RowWeights
+from serve_app.model.kernels.int8_gemv import Int8Gemv, RowWeights
 from serve_app.model.surgery import replace_modules
 
 INT8_MAX = 127.0

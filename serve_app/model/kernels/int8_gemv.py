@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from serve_app.model.native import KernelBuildError, build_library
+from serve_app.model.kernels.native import KernelBuildError, build_library
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from serve_app.config import Quantization
-from serve_app.model.fusion import fuse_gate_up
-from serve_app.model.int8_gemv import load_int8_gemv
-from serve_app.model.quantize import quantize_int8
-from serve_app.model.weight_only import quantize_weight_only
+from serve_app.model.kernels.int8_gemv import load_int8_gemv
+from serve_app.model.quant.fusion import fuse_gate_up
+from serve_app.model.quant.quantize import quantize_int8
+from serve_app.model.quant.weight_only import quantize_weight_only
 
 logger = logging.getLogger(__name__)
 
