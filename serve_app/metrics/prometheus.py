@@ -9,7 +9,8 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from serve_app.http.protocols.base import Choice, RequestObserver
+from serve_app.http.protocols.base import RequestObserver
+from serve_app.http.protocols.prepared import Choice
 from serve_app.metrics.catalog import (
     LATENCY_BUCKETS,
     REQUEST_METRICS,

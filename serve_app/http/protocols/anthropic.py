@@ -9,18 +9,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput, Usage
-from serve_app.http.protocols.base import (
-    Choice,
-    PreparedRequest,
-    ResponseBuilder,
-    sse,
-    total_usage,
-)
+from serve_app.http.protocols.base import ResponseBuilder, sse
 from serve_app.http.protocols.errors import (
+    ErrorFormat,
     ProtocolError,
     refuse_fields,
     validate_body,
 )
+from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import (
@@ -277,9 +273,17 @@ def _usage_json(usage: Usage) -> dict[str, int]:
     }
 
 
+def anthropic_error(error: ProtocolError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ERROR_TYPES[error.kind], "message": error.message}}
+
+
+ERRORS = ErrorFormat(anthropic_error, {"overloaded": OVERLOADED_STATUS})
+
+
 class MessagesBuilder(ResponseBuilder):
     """`POST /v1/messages`."""
 
+    errors = ERRORS
     stop_param = "stop_sequences"
 
     def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
@@ -339,7 +343,7 @@ class MessagesBuilder(ResponseBuilder):
     def format_stream_end(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
         choice = choices[0]
         if choice.finish_reason == "error":
-            return [sse(self.format_error(ProtocolError("internal", choice.error or "generation failed")), "error")]
+            return [sse(anthropic_error(ProtocolError("internal", choice.error or "generation failed")), "error")]
         blocks: _BlockStream | None = prepared.options["blocks"]
         if blocks is not None:
             events = blocks.close()
@@ -367,8 +371,3 @@ class MessagesBuilder(ResponseBuilder):
         blocks, stop_reason = _tool_blocks(stream.constraint, choice)
         return {**self._message(prepared, blocks, choice, final=True), "stop_reason": stop_reason}
 
-    def format_error(self, error: ProtocolError) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": _ERROR_TYPES[error.kind], "message": error.message}}
-
-    def status_of(self, error: ProtocolError) -> int:
-        return OVERLOADED_STATUS if error.kind == "overloaded" else error.status

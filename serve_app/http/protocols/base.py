@@ -6,87 +6,24 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry.trace import StatusCode
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from serve_app.engine.io import GenerateRequest, ModelInfo, StreamDelta, TokenLogprob, Usage
+from serve_app.engine.io import ModelInfo, StreamDelta
 from serve_app.http.engine_client import EngineClient
-from serve_app.http.protocols.errors import (
-    RETRY_LATER,
-    ProtocolError,
-    from_validation_error,
-)
+from serve_app.http.protocols.errors import ErrorFormat, ProtocolError, from_validation_error
+from serve_app.http.protocols.limits import RequestLimits
+from serve_app.http.protocols.prepared import Choice, PreparedRequest
 from serve_app.http.streaming import ClosingStreamingResponse
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import RequestTiming
 
-if TYPE_CHECKING:
-    from serve_app.http.protocols.limits import RequestLimits
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PreparedRequest:
-    """A validated protocol request: the engine requests (one per choice) and how to answer."""
-
-    requests: list[GenerateRequest]
-    stream: bool
-    model: str
-    choices_per_prompt: int = 1
-    include_usage: bool = False
-    options: dict[str, Any] = field(default_factory=dict)
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created: int = field(default_factory=lambda: int(time.time()))
-
-
-@dataclass
-class Choice:
-    """One choice's output as it accumulates."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_string: str | None = None
-    usage: Usage | None = None
-    error: str | None = None
-
-    @property
-    def complete(self) -> bool:
-        """Whether it ended where the model or its grammar ended it (not cut by a token limit or a stop sequence)."""
-        return self.finish_reason == "stop" and self.stop_string is None
-
-    def add(self, delta: StreamDelta) -> None:
-        self.text += delta.text
-        self.token_ids.extend(delta.token_ids)
-        self.logprobs.extend(delta.logprobs)
-        if delta.usage is not None:
-            self.usage = delta.usage
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            self.stop_string = delta.stop_string
-            self.error = delta.error
-
-
-def total_usage(prepared: PreparedRequest, choices: Sequence[Choice]) -> Usage:
-    """Usage over all choices: each prompt counted once, completions summed."""
-    prompt = cached = completion = 0
-    for choice in choices:
-        usage = choice.usage or Usage(0, 0, 0)
-        if choice.index % prepared.choices_per_prompt == 0:
-            prompt += usage.prompt_tokens
-            cached += usage.cached_tokens
-        completion += len(choice.token_ids)
-    return Usage(prompt, completion, cached)
 
 
 def sse(data: Any, event: str | None = None) -> str:
@@ -101,6 +38,7 @@ Answered = Callable[[], Awaitable[None]]
 class ResponseBuilder(ABC):
     """One API's request parsing and response shapes. Adding a protocol is one builder."""
 
+    errors: ErrorFormat  # how this API writes an error
     # The names this API gives its stop sequences, its output-token limit and its conversation, for errors.
     stop_param = "stop"
     max_tokens_param = "max_tokens"
@@ -123,16 +61,6 @@ class ResponseBuilder(ABC):
     @abstractmethod
     def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]: ...
 
-    @abstractmethod
-    def format_error(self, error: ProtocolError) -> dict[str, Any]: ...
-
-    def status_of(self, error: ProtocolError) -> int:
-        """The HTTP status this API answers `error` with."""
-        return error.status
-
-    def error_response(self, error: ProtocolError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if error.kind in RETRY_LATER else None
-        return JSONResponse(self.format_error(error), status_code=self.status_of(error), headers=headers)
 
 
 class RequestObserver(ABC):
@@ -155,11 +83,12 @@ class ProtocolHandler:
     async def handle(
         self,
         body: Any,
-        cache_salt: Callable[[str], str] | None = None,
+        cache_salt: Callable[[str | None], str] | None = None,
         limits: RequestLimits | None = None,
         answered: Answered | None = None,
     ) -> Response:
-        """Answer one request, held to `limits`; `cache_salt` maps each client salt to the engine's.
+        """Answer one request: prepare it, hold it to `limits`, encode it (the chat template, tokens, and the engine
+        salt `cache_salt` maps each client salt to), then stream it from the engine.
         `answered` runs once the whole answer is built, before its last event or the response is sent
         (a client that has the answer can rely on what `answered` did; where it fails, the client gets the
         protocol's error instead: a 500, or a stream that ends in its error event)."""
@@ -172,14 +101,9 @@ class ProtocolHandler:
             if limits is not None:
                 builder = self.builder
                 prepared = limits.apply(prepared, builder.stop_param, builder.max_tokens_param, builder.messages_param)
-            if cache_salt is not None:
-                prepared.requests = [
-                    r.model_copy(update={"cache_salt": cache_salt(r.cache_salt)}) for r in prepared.requests
-                ]
-            traced = tracing.carrier(self.span)
-            if traced:
-                prepared.requests = [r.model_copy(update={"trace_context": traced}) for r in prepared.requests]
-            streams = [_TimedStream(self.engine.stream(r)) for r in prepared.requests]
+            salts = [cache_salt(r.cache_salt) if cache_salt is not None else r.cache_salt or "" for r in prepared.requests]
+            encoded = await self.engine.prompts.encode(prepared.requests, salts, tracing.carrier(self.span))
+            streams = [_TimedStream(self.engine.stream(r)) for r in encoded]
             firsts = await _first_deltas(streams)
         except ValidationError as error:
             return self._refuse(from_validation_error(error))
@@ -201,7 +125,7 @@ class ProtocolHandler:
             await self._finish(streams, choices)
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
-            return self.builder.error_response(ProtocolError("internal", failed.error or "generation failed"))
+            return self.builder.errors.response(ProtocolError("internal", failed.error or "generation failed"))
         response = self.builder.format_response(prepared, choices)
         if answered is not None:
             await answered()
@@ -242,7 +166,7 @@ class ProtocolHandler:
     def _refuse(self, error: ProtocolError) -> Response:
         self.span.set_status(StatusCode.ERROR, error.message)
         self.span.end()
-        return self.builder.error_response(error)
+        return self.builder.errors.response(error)
 
     async def _finish(self, streams: Sequence[_TimedStream], choices: Sequence[Choice]) -> None:
         """Close the engine streams (cancelling what is unfinished), tell the observer how each went, end the span."""

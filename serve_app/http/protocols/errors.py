@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.responses import JSONResponse
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -29,7 +31,7 @@ STATUS = {
     "rate_limit": 429,
     "internal": 500,
     "not_ready": 503,
-    "overloaded": 503,  # Anthropic's routes answer 529 (`MessagesBuilder.status_of`)
+    "overloaded": 503,  # Anthropic's routes answer 529 (`anthropic.ERRORS`)
 }
 
 # Errors a client should retry after a pause (their answers carry `Retry-After`).
@@ -45,6 +47,22 @@ class ProtocolError(Exception):
         self.message = message
         self.param = param
         self.status = status or STATUS[kind]
+
+
+class ErrorFormat:
+    """How one API writes an error: its body, and the status of each kind where the API departs from `STATUS`
+    (Anthropic answers an overload with 529). Every route answers its errors through one of these."""
+
+    def __init__(self, body: Callable[[ProtocolError], dict[str, Any]], statuses: Mapping[str, int] | None = None) -> None:
+        self.body = body
+        self._statuses = dict(statuses or {})
+
+    def status(self, error: ProtocolError) -> int:
+        return self._statuses.get(error.kind, error.status)
+
+    def response(self, error: ProtocolError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if error.kind in RETRY_LATER else None
+        return JSONResponse(self.body(error), status_code=self.status(error), headers=headers)
 
 
 def invalid(message: str, param: str | None = None) -> ProtocolError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serve_app.config import ServerConfig
-from serve_app.http.protocols.base import PreparedRequest
+from serve_app.http.protocols.prepared import PreparedRequest
 from serve_app.http.protocols.errors import invalid
 
 

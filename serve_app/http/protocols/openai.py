@@ -12,7 +12,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -25,22 +24,17 @@ from serve_app.engine.io import (
     TokenLogprob,
     Usage,
 )
-from serve_app.http.protocols.base import (
-    Choice,
-    PreparedRequest,
-    ResponseBuilder,
-    sse,
-    total_usage,
-)
+from serve_app.http.protocols.base import ResponseBuilder, sse
 from serve_app.http.protocols.errors import (
+    ErrorFormat,
     ProtocolError,
     from_validation_error,
     invalid,
     refuse_fields,
     validate_body,
 )
+from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.served_models import adapter_of
-from serve_app.http.tenants import check_client_salt
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import (
     ParsedOutput,
@@ -227,11 +221,6 @@ class _SamplingFields(_Lenient):
     structured_outputs: StructuredOutputs | None = None
     max_string_tokens: int | None = Field(None, ge=1)
 
-    @field_validator("cache_salt")
-    @classmethod
-    def _client_salt(cls, value: str | None) -> str | None:
-        return None if value is None else check_client_salt(value)
-
     def structured_output(self) -> StructuredOutput | None:
         return self.structured_outputs.to_engine() if self.structured_outputs is not None else None
 
@@ -257,7 +246,7 @@ class _SamplingFields(_Lenient):
             stop=stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            cache_salt=self.cache_salt or "",
+            cache_salt=self.cache_salt,
             logprobs=logprobs,
             structured_output=constraint,
             max_string_tokens=self.max_string_tokens,
@@ -345,8 +334,11 @@ class CompletionRequest(_SamplingFields):
 
 
 def openai_error(error: ProtocolError) -> dict[str, Any]:
-    """An error in OpenAI's shape (every OpenAI route's, the Responses API's too)."""
+    """An error in OpenAI's shape (every OpenAI route's, the Responses API's, the admin and KV routes' too)."""
     return {"error": {"message": error.message, "type": _ERROR_TYPES[error.kind], "param": error.param, "code": error.status}}
+
+
+ERRORS = ErrorFormat(openai_error)
 
 
 def _usage_json(usage: Usage) -> dict[str, Any]:
@@ -394,11 +386,9 @@ def _finish_reason(choice: Choice) -> str | None:
 class _OpenAIBuilder(ResponseBuilder):
     """What both OpenAI routes share: errors, usage chunks, the closing `[DONE]`."""
 
+    errors = ERRORS
     object_chunk: str
     id_prefix: str
-
-    def format_error(self, error: ProtocolError) -> dict[str, Any]:
-        return openai_error(error)
 
     def _chunk(self, prepared: PreparedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {
@@ -416,7 +406,7 @@ class _OpenAIBuilder(ResponseBuilder):
         events = []
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
-            events.append(sse(self.format_error(ProtocolError("internal", failed.error or "generation failed"))))
+            events.append(sse(openai_error(ProtocolError("internal", failed.error or "generation failed"))))
         elif prepared.include_usage:
             chunk = self._chunk(prepared, [])
             chunk["usage"] = _usage_json(total_usage(prepared, choices))

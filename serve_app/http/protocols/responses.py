@@ -22,13 +22,7 @@ from pydantic import (
 )
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput
-from serve_app.http.protocols.base import (
-    Choice,
-    PreparedRequest,
-    ResponseBuilder,
-    sse,
-    total_usage,
-)
+from serve_app.http.protocols.base import ResponseBuilder, sse
 from serve_app.http.protocols.errors import (
     ProtocolError,
     from_validation_error,
@@ -36,7 +30,8 @@ from serve_app.http.protocols.errors import (
     refuse_fields,
     validate_body,
 )
-from serve_app.http.protocols.openai import openai_error
+from serve_app.http.protocols.openai import ERRORS as OPENAI_ERRORS
+from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.response_store import StoredResponse
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
@@ -292,6 +287,7 @@ def _status(choice: Choice) -> str:
 class ResponsesBuilder(ResponseBuilder):
     """`POST /v1/responses`, for one request (continuing `previous`, when given)."""
 
+    errors = OPENAI_ERRORS
     max_tokens_param = "max_output_tokens"
     messages_param = "input"
 
@@ -491,6 +487,4 @@ class ResponsesBuilder(ResponseBuilder):
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 
-    def format_error(self, error: ProtocolError) -> dict[str, Any]:
-        return openai_error(error)
 

@@ -8,12 +8,12 @@ from starlette.responses import JSONResponse, Response
 
 from serve_app.http.context import context_of
 from serve_app.http.protocols.errors import ProtocolError
-from serve_app.http.protocols.openai import ChatCompletionsBuilder
+from serve_app.http.protocols.openai import ERRORS
 from serve_app.http.routes.answering import answers_in
 from serve_app.metrics.prometheus import CONTENT_TYPE
 
 router = APIRouter()
-answers = answers_in(ChatCompletionsBuilder())  # errors in OpenAI's shape
+answers = answers_in(ERRORS)  # errors in OpenAI's shape
 
 
 @router.get("/health")

@@ -1,4 +1,4 @@
-"""`answers_in(builder)`: a route whose errors, expected or not, come back in its protocol's shape."""
+"""`answers_in(errors)`: a route whose errors, expected or not, come back in its API's shape."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ from collections.abc import Awaitable, Callable
 from fastapi import Request
 from starlette.responses import Response
 
-from serve_app.http.protocols.base import ResponseBuilder
-from serve_app.http.protocols.errors import ProtocolError
+from serve_app.http.protocols.errors import ErrorFormat, ProtocolError
 
 logger = logging.getLogger(__name__)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def answers_in(builder: ResponseBuilder) -> Callable[[Endpoint], Endpoint]:
-    """Decorate an endpoint so that a ProtocolError, or any fault of the server's, is answered by `builder`."""
+def answers_in(errors: ErrorFormat) -> Callable[[Endpoint], Endpoint]:
+    """Decorate an endpoint so that a ProtocolError, or any fault of the server's, is answered in `errors`' shape."""
 
     def decorate(endpoint: Endpoint) -> Endpoint:
         @functools.wraps(endpoint)
@@ -26,10 +25,10 @@ def answers_in(builder: ResponseBuilder) -> Callable[[Endpoint], Endpoint]:
             try:
                 return await endpoint(request)
             except ProtocolError as error:
-                return builder.error_response(error)
+                return errors.response(error)
             except Exception:  # a server fault, never a client's: answer in the protocol's shape
                 logger.exception("request failed")
-                return builder.error_response(ProtocolError("internal", "internal server error"))
+                return errors.response(ProtocolError("internal", "internal server error"))
 
         return route
 

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from serve_app.engine.io import CountTokens, GenerateRequest
+from serve_app.engine.io import GenerateRequest
 from serve_app.http.body import read_json
 from serve_app.http.context import ServerContext, context_of
 from serve_app.http.protocols.anthropic import (
@@ -31,7 +31,7 @@ messages = MessagesBuilder()
 def _generation(builder: ResponseBuilder) -> Callable[[Request], Awaitable[Response]]:
     """A route that runs one request through `builder`."""
 
-    @answers_in(builder)
+    @answers_in(builder.errors)
     async def route(request: Request) -> Response:
         context = context_of(request)
         tenant = context.caller(request)
@@ -68,7 +68,7 @@ router.add_api_route("/v1/messages", _generation(messages), methods=["POST"])
 
 
 @router.post("/v1/messages/count_tokens")
-@answers_in(messages)
+@answers_in(messages.errors)
 async def count_tokens(request: Request) -> Response:
     context = context_of(request)
     await context.ready_caller(request)
@@ -77,5 +77,5 @@ async def count_tokens(request: Request) -> Response:
     model = await engine.model_info()
     req: CountTokensRequest = parse(CountTokensRequest, body, model)
     prompt = req.prompt(format_for(model.tool_format), req.tool_plan())
-    count = await engine.ask(CountTokens(GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None)))
+    count = await engine.prompts.count(GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None))
     return JSONResponse({"input_tokens": count})

@@ -19,11 +19,11 @@ from serve_app.http.protocols.kv import (
     encode_kv,
     parse_tokens_request,
 )
-from serve_app.http.protocols.openai import ChatCompletionsBuilder
+from serve_app.http.protocols.openai import ERRORS
 from serve_app.http.routes.answering import answers_in
 
 router = APIRouter(prefix="/v1/kv")
-answers = answers_in(ChatCompletionsBuilder())  # errors in OpenAI's shape
+answers = answers_in(ERRORS)  # errors in OpenAI's shape
 
 
 def _engine(request: Request) -> EngineClient:
@@ -39,7 +39,7 @@ async def _tokens_request(request: Request) -> tuple[TokensRequest, str]:
     context = context_of(request)
     tenant = await context.ready_caller(request, admin=True)
     req = parse_tokens_request(await read_json(request, context.config.max_request_bytes))
-    return req, context.engine_salt(tenant, req.cache_salt)
+    return req, context.engine_salt(tenant, req.cache_salt or None)  # the KV API's "" is no salt
 
 
 @router.get("/config")
@@ -76,7 +76,7 @@ async def kv_store(request: Request) -> Response:
     kv, tokens, cache_salt = decode_kv(await read_body(request, context.config.max_kv_bytes, "max_kv_bytes"))
     if tokens is None:
         raise invalid("body: the safetensors file has no tensor named 'tokens'", "tokens")
-    result = await _engine(request).ask(StoreKV(kv, tokens, context.engine_salt(tenant, cache_salt)))
+    result = await _engine(request).ask(StoreKV(kv, tokens, context.engine_salt(tenant, cache_salt or None)))
     return JSONResponse(
         {
             "stored": result.stored_pages > 0,

@@ -16,7 +16,7 @@ from serve_app.http.routes.generation import generate
 from serve_app.http.tenants import Tenant
 
 router = APIRouter()
-answers = answers_in(ResponsesBuilder())  # errors in the Responses API's shape
+answers = answers_in(ResponsesBuilder.errors)  # errors in the Responses API's shape (OpenAI's)
 
 
 @router.post("/v1/responses")
