@@ -4,7 +4,6 @@ process, streaming deltas through an async generator."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,14 +16,13 @@ from deployments.app_args import LLMConfig
 from deployments.model_copy import model_here
 from deployments.placement import Placement
 from deployments.ray_metrics import RayMetrics
-from serve_app.engine.io import EngineCall, GenerateRequest, ModelInfo, RequestRefused, StreamDelta
+from serve_app.engine.io import EncodedRequest, EngineCall, ModelInfo, RequestRefused, StreamDelta
 from serve_app.engine.process import EngineProcess, EngineProcessError
 from serve_app.engine.serving import EngineEvent, answer_or_refusal, engine_events
-from serve_app.kv.page_events import PageEventBatch
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import ENGINE_METRICS, engine_samples
-
-logger = logging.getLogger(__name__)
+from serve_app.routing.page_events import PageEventBatch
+from serve_app.routing.page_reporter import PageReporter
 
 # How often the replica looks for news to report: page events and load changes go out then.
 REPORT_EVERY_S = 0.1
@@ -59,10 +57,14 @@ class EngineDeployment:
         self._replica_id, self._deployment = replica.unique_id, replica.deployment_id.name
         self._place = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         # On the replica's event loop: Serve handles may be called only from a running loop.
-        self._reporter = asyncio.get_running_loop().create_task(self._report_stats())
+        reporter = PageReporter(
+            self._latest_stats, self.engine.take_page_events, self._report, self.engine.resend_pages, REPORT_EVERY_S,
+            HEARTBEAT_S,
+        )
+        self._reporter = asyncio.get_running_loop().create_task(reporter.run())
         self._metrics = asyncio.get_running_loop().create_task(self._mirror_metrics(RayMetrics(ENGINE_METRICS, totals=True)))
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
+    async def generate(self, request: EncodedRequest) -> AsyncIterator[EngineEvent]:
         if not request.trace_context:
             async for event in engine_events(self.engine, request):
                 yield event
@@ -86,7 +88,7 @@ class EngineDeployment:
             span.end()
 
     async def ask(self, call: EngineCall) -> Any | RequestRefused:
-        """The engine's answer to `call` (token counts, cached KV), or the refusal it amounts to."""
+        """The engine's answer to `call` (stats, cached KV, adapters), or the refusal it amounts to."""
         return await answer_or_refusal(self.engine, call)
 
     def check_health(self) -> None:
@@ -96,42 +98,24 @@ class EngineDeployment:
         if not self.engine.healthy:
             raise RuntimeError("the engine reports itself unhealthy: its steps keep failing")
 
-    async def _report_stats(self) -> None:
-        """Push the prefix cache's page events and the load (running and waiting requests) to the board
-        when they change, everything else with a heartbeat every HEARTBEAT_S (the board forgets a
-        replica that falls silent). Every call to the board costs CPU the engine's steps need."""
-        last: dict[str, int] | None = None
-        pages = PageEventBatch()
-        waited = HEARTBEAT_S
-        while True:
-            await asyncio.sleep(REPORT_EVERY_S)
-            waited += REPORT_EVERY_S
-            try:
-                stats = self.engine.latest_stats
-            except EngineProcessError:
-                return  # the health check fails this replica; the board forgets it when it falls silent
-            pages = pages.followed_by(self.engine.take_page_events())
-            if not pages and _load(stats) == _load(last) and waited < HEARTBEAT_S:
-                continue
-            try:
-                lost_track = await self._board.report.remote(
-                    self._deployment,
-                    self._replica_id, self._place, stats, self.info, pages, self._page_size
-                )
-            except Exception:  # the board may be restarting; the next round retries with the same pages
-                logger.warning("could not report to the board", exc_info=True)
-                continue
-            last, pages, waited = stats, PageEventBatch(), 0.0
-            if lost_track:
-                self.engine.resend_pages()
+    async def _report(self, stats: dict[str, int], pages: PageEventBatch) -> bool:
+        return await self._board.report.remote(
+            self._deployment, self._replica_id, self._place, stats, self.info, pages, self._page_size
+        )
+
+    def _latest_stats(self) -> dict[str, int] | None:
+        """The engine's latest stats; None once its process has failed (the health check fails this replica)."""
+        try:
+            return self.engine.latest_stats
+        except EngineProcessError:
+            return None
 
     async def _mirror_metrics(self, ray_metrics: RayMetrics) -> None:
         """Copy the engine's state into Ray's metrics every RAY_METRICS_EVERY_S."""
         while True:
             await asyncio.sleep(RAY_METRICS_EVERY_S)
-            try:
-                stats = self.engine.latest_stats
-            except EngineProcessError:
+            stats = self._latest_stats()
+            if stats is None:
                 return
             ray_metrics.record(engine_samples(stats, self.info.id, self._replica_id))
 
@@ -143,6 +127,3 @@ class EngineDeployment:
         if engine is not None:
             engine.shutdown()
 
-
-def _load(stats: dict[str, int] | None) -> tuple[int, int] | None:
-    return (stats["active_tasks"], stats["waiting_queue"]) if stats is not None else None

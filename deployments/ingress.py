@@ -1,8 +1,8 @@
 """Ingress: the HTTP API (serve_app.http.app) with an engine client made of Ray Serve handles per model
 (one engine deployment each).
 
-Prompts are rendered and tokenized here, once, so the engine replicas get token ids and the
-request router can hash their pages."""
+Each client carries its model's `PromptEncoder`: the HTTP layer's handler renders and tokenizes prompts here,
+once, so the engine replicas get token ids and the request router can hash their pages."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from deployments.app_args import AppConfig
 from deployments.model_copy import model_here
 from deployments.ray_metrics import RayMetrics
 from deployments.response_store import RayResponses
-from serve_app.engine.io import CountTokens, EngineCall, GenerateRequest, ModelInfo, StreamDelta
+from serve_app.engine.io import EncodedRequest, EngineCall, ModelInfo, StreamDelta
 from serve_app.http.app import create_api
 from serve_app.http.context import ServerContext
 from serve_app.http.engine_client import EngineClient, deltas_from_events, unwrap
@@ -36,6 +36,7 @@ from serve_app.metrics import tracing
 from serve_app.metrics.catalog import REQUEST_METRICS
 from serve_app.metrics.prometheus import ServerMetrics
 from serve_app.model.loader import resolve_model_path
+from serve_app.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class RayEngineClient(EngineClient):
     stats of every engine, from the board."""
 
     def __init__(self, engine: DeploymentHandle, board: DeploymentHandle, prompts: PromptEncoder) -> None:
-        self._prompts = prompts
+        self.prompts = prompts
         self._deployment = engine.deployment_name
         self._stream = engine.options(stream=True)
         # KV tensors (hundreds of MB) go through Ray's object store, not a replica's gRPC message limit.
@@ -59,10 +60,9 @@ class RayEngineClient(EngineClient):
         self._checked = 0.0
         self._refreshing: asyncio.Task | None = None
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    async def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:
         """The request's deltas; an engine replica lost on the way ends the stream with an error delta."""
-        encoded = await self._prompts.encode(request)
-        events = _as_its_own_call().run(self._stream.generate.remote, encoded)
+        events = _as_its_own_call().run(self._stream.generate.remote, request)
         started = False
         try:
             async for delta in deltas_from_events(events):
@@ -79,8 +79,6 @@ class RayEngineClient(EngineClient):
             events.cancel()
 
     async def ask(self, call: EngineCall) -> Any:
-        if isinstance(call, CountTokens):  # the tokenizer is here
-            return await self._prompts.count(call.request)
         return unwrap(await _as_its_own_call().run(self._calls.ask.remote, call))
 
     async def model_info(self) -> ModelInfo:
@@ -150,7 +148,8 @@ class Ingress:
         clients = {}
         for model_id, engine in engines.items():
             model = app_config.model(model_id).engine().model  # its tokenizer, prepared on this node
-            prompts = PromptEncoder(resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir))
+            tokenizer = Tokenizer(resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir))
+            prompts = PromptEncoder(tokenizer)
             clients[model_id] = RayEngineClient(engine, board, prompts)
         metrics = ServerMetrics(serve.get_replica_context().replica_id.unique_id, RayMetrics(REQUEST_METRICS))
         self.context = ServerContext(

@@ -6,14 +6,16 @@ its decisions cost (`report_routing`)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray import serve
 
-from serve_app.kv.page_events import PageEventBatch
-from serve_app.routing.page_directory import PageChanges, PageDirectory
+from serve_app.routing.page_directory import PageChanges
+from serve_app.routing.page_events import PageEventBatch
+from serve_app.routing.page_news import PageNews
+from serve_app.routing.replica_reports import ReplicaReports
 
 # A replica that has not reported for this long is gone.
 STALE_AFTER_S = 3.0
@@ -24,29 +26,18 @@ NAME = "ReplicaBoard"
 MAX_ONGOING_CALLS = 1024
 
 
+@dataclass
 class _DeploymentBoard:
-    """One engine deployment's live replicas, its model's info and its page directory."""
+    """One engine deployment's live replicas, its model's info and its page news."""
 
-    def __init__(self) -> None:
-        self.reports: dict[str, tuple[float, dict[str, Any], dict[str, int]]] = {}  # replica -> (when, place, stats)
-        self.model_info: Any = None
-        self.pages = PageDirectory()
-        self.news = asyncio.Event()  # set (and replaced) when the page directory changes
-        self._announced = 0
+    replicas: ReplicaReports = field(default_factory=lambda: ReplicaReports(STALE_AFTER_S))
+    pages: PageNews = field(default_factory=PageNews)
+    model_info: Any = None
 
-    def live(self) -> list[dict[str, int]]:
-        now = time.monotonic()
-        for replica_id in [k for k, (at, _, _) in self.reports.items() if now - at >= STALE_AFTER_S]:
-            del self.reports[replica_id]
-            self.pages.forget(replica_id)
-            self.tell_waiting_routers()
-        return [stats for _, _, stats in self.reports.values()]
-
-    def tell_waiting_routers(self) -> None:
-        if self.pages.seq != self._announced:
-            self._announced = self.pages.seq
-            self.news.set()
-            self.news = asyncio.Event()
+    def drop_stale(self) -> None:
+        gone = self.replicas.drop_stale()
+        if gone:
+            self.pages.forget(gone)
 
 
 @serve.deployment(
@@ -65,6 +56,7 @@ class ReplicaBoard:
         board = self._deployments.get(deployment)
         if board is None:
             board = self._deployments[deployment] = _DeploymentBoard()
+        board.drop_stale()
         return board
 
     async def report(
@@ -80,20 +72,18 @@ class ReplicaBoard:
         """Record a replica's report (`place`: its Ray node and process id); True when the board needs a
         snapshot of its pages (it has forgotten a replica that fell silent and came back)."""
         board = self._of(deployment)
-        known = replica_id in board.reports
-        board.reports[replica_id] = (time.monotonic(), place, stats)
+        known = board.replicas.record(replica_id, place, stats)
         board.model_info = model_info
         if not known and pages.snapshot is None:
             return True
         board.pages.publish(replica_id, pages, page_size)
-        board.tell_waiting_routers()
         return False
 
     def summed(self) -> dict[str, int]:
         """Every engine replica's stats (of every model), summed."""
         total: dict[str, int] = {"replicas": 0}
-        for board in self._deployments.values():
-            for stats in board.live():
+        for deployment in list(self._deployments):
+            for stats in self._of(deployment).replicas.stats():
                 total["replicas"] += 1
                 for key, value in stats.items():
                     total[key] = total.get(key, 0) + value
@@ -102,17 +92,17 @@ class ReplicaBoard:
     def per_replica(self) -> dict[str, dict[str, Any]]:
         """Each live replica's stats, its model, and where it runs (`node_id`, `pid`)."""
         replicas = {}
-        for board in self._deployments.values():
-            board.live()
+        for deployment in list(self._deployments):
+            board = self._of(deployment)
             model = board.model_info.id if board.model_info is not None else None
-            for replica_id, (_, place, stats) in board.reports.items():
-                replicas[replica_id] = {"model": model, **place, **stats}
+            for replica_id, report in board.replicas.live().items():
+                replicas[replica_id] = {"model": model, **report}
         return replicas
 
     def status(self, deployment: str) -> tuple[bool, Any]:
         """(an engine replica of `deployment` is up, its model's info)."""
         board = self._of(deployment)
-        return bool(board.live()), board.model_info
+        return bool(board.replicas.stats()), board.model_info
 
     def report_routing(self, router: str, costs: dict[str, Any]) -> None:
         """A request router's report: its decision count and costs (`DecisionCosts.summary`), what it follows,
@@ -128,12 +118,11 @@ class ReplicaBoard:
 
     async def page_changes(self, deployment: str, since: int, wait_s: float = 0.0) -> PageChanges:
         """What `deployment`'s prefix caches gained and lost after `since` (see `PageDirectory.changes`);
-        with nothing new yet, first up to `wait_s` for something to happen."""
+        with nothing new yet, first up to `wait_s` for something to happen (a replica falling silent meanwhile
+        is news too)."""
         board = self._of(deployment)
-        board.live()
-        if since == board.pages.seq and wait_s > 0:
-            try:
-                await asyncio.wait_for(board.news.wait(), wait_s)
-            except TimeoutError:
-                board.live()
-        return board.pages.changes(since)
+        changes = await board.pages.changes(since, wait_s)
+        if changes.seq == since:
+            board.drop_stale()
+            changes = board.pages.directory.changes(since)
+        return changes

@@ -38,7 +38,7 @@ from ray.serve.request_router import (
 )
 
 from deployments.replica_board import NAME as BOARD
-from serve_app.engine.io import GenerateRequest, LookupKV, RetrieveKV, StoreKV
+from serve_app.engine.io import EncodedRequest, LookupKV, RetrieveKV, StoreKV
 from serve_app.kv.prefix_cache import PageHash
 from serve_app.metrics import tracing
 from serve_app.routing.costs import DecisionCosts
@@ -161,8 +161,8 @@ class PrefixAwareRouter(RequestRouter):
 def _prompt_of(args: Sequence[Any]) -> tuple[list[int], str] | None:
     """(token ids, cache salt) of a generate request or a KV call, whose page hashes route it."""
     first = args[0] if args else None
-    if isinstance(first, GenerateRequest) and isinstance(first.prompt, list):
-        return first.prompt, first.prefix_salt
+    if isinstance(first, EncodedRequest):
+        return first.prompt_ids, first.prefix_salt
     if isinstance(first, (LookupKV, RetrieveKV, StoreKV)):
         return first.tokens, first.cache_salt
     return None
@@ -172,7 +172,7 @@ def _trace(pending_request: PendingRequest | None, ranked: list[list[str]], seco
     """A `route` span of the decision that just took `seconds`, in the request's trace (where tracing is on):
     the replicas it ranked first."""
     first = pending_request.args[0] if pending_request is not None and pending_request.args else None
-    if not isinstance(first, GenerateRequest) or not first.trace_context:
+    if not isinstance(first, EncodedRequest) or not first.trace_context:
         return
     now = time.time_ns()
     span = tracing.tracer().start_span("route", context=tracing.parent(first.trace_context), start_time=now - int(seconds * 1e9))
@@ -183,4 +183,4 @@ def _trace(pending_request: PendingRequest | None, ranked: list[list[str]], seco
 def _adapter_of(args: Sequence[Any]) -> str | None:
     """The LoRA adapter a generate request runs with."""
     first = args[0] if args else None
-    return first.lora if isinstance(first, GenerateRequest) else None
+    return first.request.lora if isinstance(first, EncodedRequest) else None

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from serve_app.bench.stats import dict_table
-from serve_app.kv.page_events import PageEventBatch, PageHash
 from serve_app.kv.prefix_cache import page_hashes
 from serve_app.routing.costs import DecisionCosts
 from serve_app.routing.decision import PrefixRouting
 from serve_app.routing.page_directory import PageDirectory
+from serve_app.routing.page_events import PageEventBatch, PageHash
 from serve_app.routing.policy import RoutingPolicy
 
 

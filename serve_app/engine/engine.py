@@ -5,38 +5,34 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import asdict
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 from serve_app.config import EngineConfig, ToolFormat
 from serve_app.engine.activity_log import ActivityLog, log_start
+from serve_app.engine.cached_kv import CachedKV
+from serve_app.engine.conveniences import Conveniences
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.io import (
-    TIER_NAMES,
-    CountTokens,
+    EncodedRequest,
     EngineCall,
     GenerateRequest,
     GetKVConfig,
     GetStats,
-    KVConfig,
-    KVLookup,
     ListAdapters,
     LookupKV,
     RetrieveKV,
     StoreKV,
-    StoreResult,
-    StreamDelta,
 )
 from serve_app.engine.loop import EngineLoop
 from serve_app.engine.result import GenerateResult
-from serve_app.engine.scheduler import Scheduler, SchedulerStats
-from serve_app.engine.speculation import SpeculationStats, Speculator
+from serve_app.engine.scheduler import Scheduler
+from serve_app.engine.speculation import Speculator
+from serve_app.engine.stats import engine_stats
 from serve_app.engine.step import ModelStep
 from serve_app.engine.stopping import StopStringMatcher
 from serve_app.engine.task import Task
@@ -45,19 +41,15 @@ from serve_app.errors import InvalidRequestError
 from serve_app.kv.base import KVCache
 from serve_app.kv.factory import build_kv_cache
 from serve_app.kv.page_cache import PageCache
-from serve_app.kv.page_events import PageEventLog
-from serve_app.kv.prefix_cache import page_hashes
 from serve_app.kv.tiers.layout import layout_key
 from serve_app.kv.tiers.tier_chain import TierChain
 from serve_app.kv.transfer import KVTransfer
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
 from serve_app.model.tokenizer import Tokenizer
+from serve_app.routing.page_events import PageEventLog
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
-
 
 T = TypeVar("T")
 
@@ -86,7 +78,7 @@ def _on_a_thread_of_its_own(build: Callable[[], T]) -> T:
     return outcome[0]
 
 
-class InferenceEngine:
+class InferenceEngine(Conveniences):
     """Loads a model and serves generation requests from a continuous-batching scheduler thread.
 
     `InferenceEngine(model="smollm2-135m-instruct", kv_cache="paged")`; further options are the
@@ -117,12 +109,13 @@ class InferenceEngine:
             self.cache, self.config.scheduler, self.max_model_len, Speculator(speculative) if speculative is not None else None
         )
         self.loop = EngineLoop(self.scheduler, ModelStep(self.runner, self.scheduler, self.grammars))
-        self._transfer = (
+        self.tiers = self._start_tiers()  # None without kv_tiers
+        transfer = (
             KVTransfer(self.cache, self.runner.vocab_size)
             if isinstance(self.cache, PageCache) and self.cache.enable_prefix_caching
             else None
         )
-        self.tiers = self._start_tiers()  # None without kv_tiers
+        self.kv = CachedKV(transfer, self.runner, self.loop, self.tiers)  # the KV SDK's calls
         self._task_ids = itertools.count(1)
         self.created = int(time.time())
         self.loop.start()
@@ -166,9 +159,16 @@ class InferenceEngine:
         return self.runner.tokenizer
 
     # -- submitting ---------------------------------------------------------------------------
-    def submit(self, request: GenerateRequest) -> GenerateResult:
-        """Validate, tokenize and queue one request; raise ValueError before queueing anything bad."""
-        prompt_ids = self.prompt_ids(request)
+    def encode(self, request: GenerateRequest) -> EncodedRequest:
+        """A request asked in process, as the engine runs it: its prompt's ids by this engine's tokenizer, its own
+        `cache_salt` as the engine salt. (A server encodes where its HTTP layer runs, with the tenant's salt.)"""
+        return EncodedRequest(request, self.prompt_ids(request), request.cache_salt or "")
+
+    def submit(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
+        """Validate and queue one request (encoded here if it is not yet); raise ValueError before queueing
+        anything bad."""
+        encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
+        request, prompt_ids = encoded.request, encoded.prompt_ids
         max_tokens = self._check_lengths(prompt_ids, request.max_tokens)
         vocab = self.runner.vocab_size
         for field, ids in (("prompt", prompt_ids), ("stop_token_ids", request.stop_token_ids)):
@@ -196,7 +196,7 @@ class InferenceEngine:
             params=params,
             max_tokens=max_tokens,
             stop_token_ids=frozenset(stop_ids),
-            cache_salt=request.prefix_salt,
+            cache_salt=encoded.prefix_salt,
             result=result,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stop_strings=StopStringMatcher(request.stop),
@@ -230,8 +230,8 @@ class InferenceEngine:
             return None
         return lambda: adapters.release(slot)
 
-    async def submit_async(self, request: GenerateRequest) -> GenerateResult:
-        """`submit` off the event loop (it tokenizes). A caller cancelled meanwhile leaves nothing running."""
+    async def submit_async(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
+        """`submit` off the event loop (it may tokenize, and compiles grammars). A caller cancelled meanwhile leaves nothing running."""
         gone = threading.Event()
 
         def submit() -> GenerateResult:
@@ -280,7 +280,7 @@ class InferenceEngine:
     def record_page_events(self) -> PageEventLog | None:
         """Log the page hashes the prefix cache publishes and drops (None without one). Drain the log on
         the scheduler thread (a step listener): the cache changes there."""
-        if self._transfer is None:
+        if not self.kv.enabled:
             return None
         assert isinstance(self.cache, PageCache)
         return self.cache.pool.prefix_cache.record_events()
@@ -292,19 +292,16 @@ class InferenceEngine:
     def answer(self, call: EngineCall) -> Any:
         """What `call` asks of the engine (see the calls in `serve_app.engine.io`); raises what the engine refuses."""
         match call:
-            case CountTokens(request):
-                return len(self.prompt_ids(request))
             case GetStats():
                 return self.get_stats()
             case GetKVConfig():
-                return self.kv_config()
+                return self.kv.config()
             case LookupKV(tokens, cache_salt):
-                pages = self.kv_locate(tokens, cache_salt)
-                return KVLookup(pages.count("pool") * self._kv_transfer().page_size, tuple(pages))
+                return self.kv.find(tokens, cache_salt)
             case RetrieveKV(tokens, cache_salt):
-                return self.kv_retrieve(tokens, cache_salt)
+                return self.kv.retrieve(tokens, cache_salt)
             case StoreKV(kv, tokens, cache_salt):
-                return self.kv_store_pages(kv, tokens, cache_salt)
+                return self.kv.store_pages(kv, tokens, cache_salt)
             case ListAdapters():
                 return self.runner.adapters.available() if self.runner.adapters is not None else []
         raise TypeError(f"not an engine call: {call!r}")
@@ -318,155 +315,9 @@ class InferenceEngine:
         """False once the scheduler has stopped or its steps keep failing: the host should replace this engine."""
         return self.loop.healthy
 
-    # -- the convenience API ------------------------------------------------------------------
-    def generate(self, prompt: Prompt | Sequence[Prompt], stream: bool = False, **params: Any):
-        """`str -> str`, `list -> list[str]`; with `stream=True`, deltas (`str`, or `(index, str)` for a list)."""
-        if _is_batch(prompt):
-            requests = [GenerateRequest(prompt=p, **params) for p in prompt]
-        else:
-            requests = GenerateRequest(prompt=prompt, **params)
-        return self.generate_with_request(requests, stream=stream)
-
-    def generate_with_request(self, request: GenerateRequest | Sequence[GenerateRequest], stream: bool = False):
-        """As `generate`, for ready-made requests (chat messages too)."""
-        if isinstance(request, GenerateRequest):
-            result = self.submit(request)
-            return _text_stream(result) if stream else _text_of(result)
-        results = self._submit_all(request)
-        if stream:
-            return _indexed_stream(results, self.abort)
-        return [_text_of(r) for r in results]
-
-    def _submit_all(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        results: list[GenerateResult] = []
-        try:
-            for request in requests:
-                results.append(self.submit(request))
-        except Exception:
-            for result in results:
-                self.abort(result.task_id)
-            raise
-        return results
-
-    async def generate_async(self, prompt: Prompt | GenerateRequest, **params: Any) -> AsyncIterator[str]:
-        """Text deltas for one request, for asyncio callers."""
-        request = prompt if isinstance(prompt, GenerateRequest) else GenerateRequest(prompt=prompt, **params)
-        result = self.submit(request)
-        async for delta in result.astream():
-            if delta.text:
-                yield delta.text
-
-    # -- cached KV (the KV SDK) -------------------------------------------------------------------
-    def kv_config(self) -> KVConfig:
-        """Page size, KV geometry and dtype, and the RoPE settings K was rotated with."""
-        transfer = self._kv_transfer()
-        shape = self.runner.kv_shape
-        rope_type, theta, inv_freq = self.runner.rotary()
-        return KVConfig(
-            page_size=transfer.page_size,
-            n_layers=shape.n_layers,
-            n_kv_heads=shape.n_kv_heads,
-            head_dim=shape.head_dim,
-            dtype=str(shape.dtype).removeprefix("torch."),
-            rope_type=rope_type,
-            rope_theta=theta,
-            rotary_dim=2 * len(inv_freq),
-            rope_inv_freq=tuple(inv_freq.tolist()),
-        )
-
-    def kv_lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
-        """How many leading tokens of `tokens`, in whole pages, are in the prefix cache."""
-        transfer, ids = self._kv_transfer(), _token_list(tokens)
-        return self.loop.call(lambda: transfer.lookup(ids, cache_salt))
-
-    def kv_locate(self, tokens: Sequence[int], cache_salt: str = "") -> list[str]:
-        """The tier holding each leading whole page of `tokens` held anywhere: "pool" (the engine's own
-        pages), then "host", "disk" or "cluster" for the pages that continue beyond the pool."""
-        transfer, ids = self._kv_transfer(), _token_list(tokens)
-        in_pool = self.loop.call(lambda: transfer.lookup(ids, cache_salt)) // transfer.page_size
-        where = ["pool"] * in_pool
-        if self.tiers is not None:
-            where += self.tiers.where(list(page_hashes(ids, transfer.page_size, cache_salt))[in_pool:])
-        return where
-
-    def kv_retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
-        """`[2, n_layers, T, n_kv_heads * head_dim]` for the longest cached whole-page prefix; None under a page."""
-        transfer, ids = self._kv_transfer(), _token_list(tokens)
-        return self.loop.call(lambda: transfer.retrieve(ids, cache_salt))
-
-    def kv_store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
-        """Cache `kv` as the KV of `tokens` (whole pages); False when every page was cached already."""
-        return self.kv_store_pages(kv, tokens, cache_salt).stored_pages > 0
-
-    def kv_store_pages(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> StoreResult:
-        """As `kv_store`, answering how many pages were stored and how many were already cached."""
-        transfer, ids = self._kv_transfer(), _token_list(tokens)
-        transfer.check(kv, ids)
-        return self.loop.call(lambda: transfer.store(kv, ids, cache_salt))
-
-    def _kv_transfer(self) -> KVTransfer:
-        if self._transfer is None:
-            raise InvalidRequestError("kv_cache", "cached KV needs the paged cache with prefix caching on")
-        return self._transfer
-
     # -- state --------------------------------------------------------------------------------
     def get_stats(self) -> dict[str, int]:
-        stats = self.scheduler.stats
-        return {**self._counters(stats), **self._tier_stats(stats), **self._speculation_stats(), **self._compile_stats()}
-
-    def _compile_stats(self) -> dict[str, int]:
-        """Whether steps run the compiled forward, and its graphs this start loaded from torch's compile
-        caches or compiled."""
-        compiled = self.runner.compiled
-        return {
-            "compiled_forward": int(compiled is not None),
-            "compile_graphs_loaded": compiled.counts.fx_graph_hits if compiled is not None else 0,
-            "compile_graphs_compiled": compiled.counts.fx_graph_misses if compiled is not None else 0,
-        }
-
-    def _counters(self, stats: SchedulerStats) -> dict[str, int]:
-        running, waiting = self.loop.counts()
-        usage = self.cache.usage()
-        adapters = self.runner.adapters
-        return {
-            "total_tasks": stats.total_tasks,
-            "total_tokens": stats.total_tokens,
-            "active_tasks": running,
-            "waiting_queue": waiting,
-            "kv_pages_total": usage.total,
-            "kv_pages_free": usage.free,
-            "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
-            "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
-            "prompt_tokens": stats.prompt_tokens,
-            "prefill_tokens": stats.prefill_tokens,
-            "preemptions": stats.preemptions,
-            "steps": stats.steps,
-            "lora_adapters_loaded": len(adapters.loaded()) if adapters is not None else 0,
-            "lora_adapter_loads": adapters.loads if adapters is not None else 0,
-        }
-
-    def _speculation_stats(self) -> dict[str, int]:
-        """Speculative decoding's counts (`SpeculationStats`), as `spec_decode_*`; zero when it is off."""
-        speculator = self.scheduler.speculator
-        stats = speculator.stats if speculator is not None else SpeculationStats()
-        return {f"spec_decode_{name}": value for name, value in asdict(stats).items()}
-
-    def _tier_stats(self, stats: SchedulerStats) -> dict[str, int]:
-        """Prefix-cache hits by tier (`prefix_cache_hit_tokens_pool`, `_host`, `_disk`, `_cluster`), and with
-        tiers each one's bytes, pages, evictions (and the disk's corrupt pages found)."""
-        loading = self.scheduler.tiers
-        by_tier = dict(loading.hit_tokens) if loading is not None else dict.fromkeys(TIER_NAMES, 0)
-        out = {"prefix_cache_hit_tokens_pool": stats.prefix_cache_hit_tokens - sum(by_tier.values())}
-        out |= {f"prefix_cache_hit_tokens_{tier}": tokens for tier, tokens in by_tier.items()}
-        if self.tiers is not None:
-            for tier, usage in self.tiers.usage().items():
-                out |= {f"kv_tier_{tier}_bytes": usage.bytes, f"kv_tier_{tier}_pages": usage.pages,
-                        f"kv_tier_{tier}_evictions": usage.evictions}
-                if tier == "disk":
-                    out["kv_tier_disk_corrupt_pages"] = usage.corrupt
-            out |= {"kv_tier_writes_queued_bytes": self.tiers.queued_bytes, "kv_tier_writes_dropped": self.tiers.writes_dropped,
-                    "kv_tier_load_failures": self.tiers.load_failures}
-        return out
+        return engine_stats(self)
 
     def shutdown(self) -> None:
         """Stop the scheduler thread; unfinished requests end as cancelled."""
@@ -476,53 +327,3 @@ class InferenceEngine:
         if self.tiers is not None:
             self.tiers.close()
 
-
-def _token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
-    if isinstance(tokens, torch.Tensor):
-        return [int(t) for t in tokens.reshape(-1).tolist()]
-    if isinstance(tokens, str) or not all(isinstance(t, int) for t in tokens):
-        raise InvalidRequestError("tokens", "expected a list of token ids")
-    return list(tokens)
-
-
-def _is_batch(prompt: Any) -> bool:
-    """A list of prompts, as opposed to one prompt given as a list of token ids."""
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not isinstance(prompt[0], int)
-
-
-def _text_stream(result: GenerateResult) -> Iterator[str]:
-    for delta in result.stream():
-        if delta.text:
-            yield delta.text
-    _raise_on_error(result)
-
-
-def _indexed_stream(results: list[GenerateResult], abort: Callable[[int], None]) -> Iterator[tuple[int, str]]:
-    """Deltas of several requests as they arrive, each tagged with its request's index."""
-    events: queue.SimpleQueue[tuple[int, StreamDelta]] = queue.SimpleQueue()
-    for index, result in enumerate(results):
-        result.subscribe(lambda delta, index=index: events.put((index, delta)))
-    remaining = len(results)
-    try:
-        while remaining:
-            index, delta = events.get()
-            if delta.text:
-                yield index, delta.text
-            if delta.finish_reason is not None:
-                remaining -= 1
-    finally:
-        for result in results:
-            if not result.finished:
-                abort(result.task_id)
-    for result in results:
-        _raise_on_error(result)
-
-
-def _text_of(result: GenerateResult) -> str:
-    _raise_on_error(result.wait())
-    return result.text
-
-
-def _raise_on_error(result: GenerateResult) -> None:
-    if result.finish_reason == "error":
-        raise RuntimeError(result.error or f"task {result.task_id} failed")

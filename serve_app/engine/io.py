@@ -6,7 +6,7 @@ Plain pydantic and frozen dataclasses: importing this loads no torch and no Ray.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -142,9 +142,10 @@ class GenerateRequest(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    cache_salt: str = ""
-    trace_context: dict[str, str] = Field(
-        default_factory=dict, description="the W3C trace context (traceparent) of the span that asked, where tracing is on"
+    cache_salt: str | None = Field(
+        None, description="the salt its prompt's pages are cached under, as asked (None: none asked): a server "
+        "derives the engine's own from it and the caller's tenant (`EncodedRequest.engine_salt`); in process it is "
+        "used as it is",
     )
     lora: str | None = Field(None, description="the LoRA adapter to run with (named in lora_paths, or a folder under dynamic_lora_loading_path)")
     logprobs: int | None = Field(None, ge=0, le=20, description="also return each token's logprob and this many top ones")
@@ -198,12 +199,6 @@ class GenerateRequest(BaseModel):
                 if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
                     raise ValueError(f"messages[{index}] needs a string 'role' and a string 'content'")
         return value
-
-    @property
-    def prefix_salt(self) -> str:
-        """The salt its prompt's pages are cached under: KV made under one adapter is never another's (or
-        the base model's), so the adapter is part of it. The engine and the request router both use it."""
-        return self.cache_salt if self.lora is None else f"{self.cache_salt}\x00lora:{self.lora}"
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -260,6 +255,25 @@ def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
     )
 
 
+@dataclass(frozen=True)
+class EncodedRequest:
+    """What an engine runs: the request as asked, its prompt as token ids (the chat template rendered, once,
+    before routing), the salt its pages are cached under, and the trace context (W3C `traceparent`) of the
+    span that sent it, where tracing is on."""
+
+    request: GenerateRequest
+    prompt_ids: list[int]
+    engine_salt: str = ""
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def prefix_salt(self) -> str:
+        """The salt its prompt's pages are cached under: KV made under one adapter is never another's (or
+        the base model's), so the adapter is part of it. The engine and the request router both use it."""
+        lora = self.request.lora
+        return self.engine_salt if lora is None else f"{self.engine_salt}\x00lora:{lora}"
+
+
 # -- refusals --------------------------------------------------------------------------------------
 RefusalKind = Literal["invalid_request", "not_ready", "overloaded"]
 
@@ -275,13 +289,6 @@ class RequestRefused:
 
 
 # -- calls besides generating, and their replies ------------------------------------------------------
-@dataclass(frozen=True)
-class CountTokens:
-    """How many prompt tokens the engine would feed for `request` (chat template included)."""
-
-    request: GenerateRequest
-
-
 @dataclass(frozen=True)
 class GetStats:
     """The engine's counters and queue lengths now."""
@@ -332,7 +339,7 @@ class ListAdapters:
     `dynamic_lora_loading_path`."""
 
 
-EngineCall = CountTokens | GetStats | GetKVConfig | LookupKV | RetrieveKV | StoreKV | ListAdapters
+EngineCall = GetStats | GetKVConfig | LookupKV | RetrieveKV | StoreKV | ListAdapters
 
 
 @dataclass(frozen=True)

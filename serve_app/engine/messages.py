@@ -26,8 +26,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serve_app.config import ToolFormat
-from serve_app.engine.io import EngineCall, GenerateRequest, StreamDelta
-from serve_app.kv.page_events import PageEventBatch
+from serve_app.engine.io import EncodedRequest, EngineCall, GenerateRequest, StreamDelta
+from serve_app.routing.page_events import PageEventBatch
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Failed:
 @dataclass(frozen=True)
 class Submit:
     call_id: int
-    request: GenerateRequest
+    request: GenerateRequest | EncodedRequest
 
 
 @dataclass(frozen=True)

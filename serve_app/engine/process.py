@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serve_app.config import EngineConfig
-from serve_app.engine.io import EngineCall, GenerateRequest, StreamDelta
+from serve_app.engine.io import EncodedRequest, EngineCall, GenerateRequest, StreamDelta
 from serve_app.engine.messages import (
     Abort,
     Accepted,
@@ -49,7 +49,7 @@ from serve_app.engine.messages import (
     send,
 )
 from serve_app.engine.result import GenerateResult
-from serve_app.kv.page_events import PageEventBatch, PageEventBuffer
+from serve_app.routing.page_events import PageEventBatch, PageEventBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -141,11 +141,11 @@ class EngineProcess:
         raise EngineProcessError(f"the engine process did not start (exit code {self._process.returncode})")
 
     # -- the serving API ----------------------------------------------------------------------
-    def submit(self, request: GenerateRequest) -> GenerateResult:
+    def submit(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
         """Queue one request; raise what the engine raised if it refused it."""
         return self._request(lambda call_id: Submit(call_id, request), self._stream_writer).result()
 
-    async def submit_async(self, request: GenerateRequest) -> GenerateResult:
+    async def submit_async(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
         """As `submit`; a caller cancelled while it waits leaves nothing running in the engine."""
         future = self._request(lambda call_id: Submit(call_id, request), self._stream_writer)
         try:

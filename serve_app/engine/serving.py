@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from serve_app.config import ToolFormat
-from serve_app.engine.io import EngineCall, GenerateRequest, RequestRefused, StreamDelta
+from serve_app.engine.io import EncodedRequest, EngineCall, RequestRefused, StreamDelta
 from serve_app.engine.result import GenerateResult
 from serve_app.errors import CacheFullError, EngineOverloadedError, InvalidRequestError
 
@@ -22,7 +22,7 @@ class ServingEngine(Protocol):
     created: int
     tool_format: ToolFormat
 
-    async def submit_async(self, request: GenerateRequest) -> GenerateResult: ...
+    async def submit_async(self, request: EncodedRequest) -> GenerateResult: ...
     async def answer_async(self, call: EngineCall) -> Any: ...
 
     @property
@@ -43,7 +43,7 @@ def refusal(error: Exception) -> RequestRefused | None:
     return None
 
 
-async def engine_events(engine: ServingEngine | None, request: GenerateRequest) -> AsyncIterator[EngineEvent]:
+async def engine_events(engine: ServingEngine | None, request: EncodedRequest) -> AsyncIterator[EngineEvent]:
     """One request's deltas (merged when the reader falls behind), or a single `RequestRefused`."""
     if engine is None:
         yield RequestRefused("not_ready", "Engine not initialized")

@@ -11,8 +11,9 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from serve_app.engine.io import EngineCall, GenerateRequest, ModelInfo, RequestRefused, StreamDelta
+from serve_app.engine.io import EncodedRequest, EngineCall, ModelInfo, RequestRefused, StreamDelta
 from serve_app.engine.serving import answer_or_refusal, engine_events
+from serve_app.http.prompt_encoder import PromptEncoder
 from serve_app.http.protocols.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -22,10 +23,13 @@ T = TypeVar("T")
 
 
 class EngineClient(ABC):
-    """An engine as the routes see it: streams of deltas, calls, and what the server reports."""
+    """An engine as the routes see it: the encoder of its prompts, streams of deltas, calls, and what the server
+    reports."""
+
+    prompts: PromptEncoder
 
     @abstractmethod
-    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:
         """Deltas of one request; raises ProtocolError (before any delta) for a request the engine refuses."""
 
     @abstractmethod
@@ -84,9 +88,10 @@ class LocalEngineClient(EngineClient):
 
     def __init__(self, engine: InferenceEngine, served_name: str) -> None:
         self.engine = engine
+        self.prompts = PromptEncoder(engine.tokenizer)
         self.info = ModelInfo(served_name, engine.max_model_len, engine.created, engine.tool_format)
 
-    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:
         return deltas_from_events(engine_events(self.engine, request))
 
     async def ask(self, call: EngineCall) -> Any:

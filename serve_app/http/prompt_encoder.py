@@ -1,38 +1,52 @@
-"""PromptEncoder: renders the chat template and tokenizes a request where the HTTP layer runs, so
-that a prompt is tokenized once, before routing: engines get token ids, and the router hashes
-the pages of exactly the ids the engine will cache. Tokenizing runs off the event loop."""
+"""PromptEncoder: renders the chat template and tokenizes requests where the HTTP layer runs, whatever the
+transport (Ray handles or an engine in process), so that a prompt is tokenized once, before routing:
+engines get token ids, and the router hashes the pages of exactly the ids the engine will cache.
+Tokenizing runs off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+from collections.abc import Sequence
 
-from serve_app.engine.io import GenerateRequest
+from serve_app.engine.io import EncodedRequest, GenerateRequest
 from serve_app.errors import InvalidRequestError
 from serve_app.http.protocols.errors import invalid
+from serve_app.model.tokenizer import Tokenizer
 
 
 class PromptEncoder:
-    """The model's tokenizer (loaded here: transformers, not the model) and the ids of requests."""
+    """The model's tokenizer (transformers' tokenizer, not the model) applied to requests."""
 
-    def __init__(self, model_path: Path) -> None:
-        from serve_app.model.tokenizer import Tokenizer
-
-        self.tokenizer = Tokenizer(model_path)
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        """The ids the engine would feed for `request`: chat through the template, text encoded, ids as given."""
+        """The ids the engine feeds for `request`: chat through the template, text encoded, ids as given."""
         try:
             return self.tokenizer.prompt_ids(request.prompt, request.messages, request.tools)
         except InvalidRequestError as error:
             raise invalid(str(error), error.param) from None
 
-    async def encode(self, request: GenerateRequest) -> GenerateRequest:
-        """`request` with its prompt as token ids (a copy; ids pass through untouched)."""
-        if isinstance(request.prompt, list):
-            return request
-        ids = await asyncio.to_thread(self.prompt_ids, request)
-        return request.model_copy(update={"prompt": ids, "messages": None, "tools": None})
+    async def encode(
+        self, requests: Sequence[GenerateRequest], engine_salts: Sequence[str], trace_context: dict[str, str]
+    ) -> list[EncodedRequest]:
+        """Each request as the engine runs it, under its engine salt; a prompt that several requests share (the
+        choices of one chat) is tokenized once."""
+        encoded: list[EncodedRequest] = []
+        for request, salt in zip(requests, engine_salts):
+            same = next((e for e in encoded if _same_prompt(e.request, request)), None)
+            if same is not None:
+                ids = same.prompt_ids
+            elif isinstance(request.prompt, list):
+                ids = list(request.prompt)  # token ids as given: nothing to tokenize
+            else:
+                ids = await asyncio.to_thread(self.prompt_ids, request)
+            encoded.append(EncodedRequest(request, ids, salt, trace_context))
+        return encoded
 
     async def count(self, request: GenerateRequest) -> int:
         return len(await asyncio.to_thread(self.prompt_ids, request))
+
+
+def _same_prompt(one: GenerateRequest, other: GenerateRequest) -> bool:
+    return one.prompt == other.prompt and one.messages == other.messages and one.tools == other.tools

@@ -1,6 +1,6 @@
 """Optional OpenTelemetry tracing. Off (every span a no-op) until `configure` is given an OTLP/HTTP traces
 endpoint (the server's `otlp_traces_endpoint`); then each process that configured it sends its spans there.
-A request's span context travels in `GenerateRequest.trace_context` (W3C `traceparent`), so the router's and
+A request's span context travels in `EncodedRequest.trace_context` (W3C `traceparent`), so the router's and
 the engine's spans join the trace the ingress started."""
 
 from __future__ import annotations
