@@ -268,7 +268,7 @@ def test_sixteen_concurrent_streaming_clients(oai: openai.OpenAI, engine: Infere
 def test_kv_sdk_through_serve(served: ServeRun, engine: InferenceEngine) -> None:
     """Retrieve, store under another salt and decode from the stored KV, through the Ray handles."""
     context = connect(served.url)
-    assert context.config == engine.kv_config()
+    assert context.config == engine.kv.config()
     post = make_post_completion(served.url)
     prompt = engine.tokenizer.encode("The lighthouse keeper climbed the stairs. " * 8)
     greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -276,10 +276,10 @@ def test_kv_sdk_through_serve(served: ServeRun, engine: InferenceEngine) -> None
     original.generate(greedy)
     kv = original.retrieve()
     engine.submit(GenerateRequest(prompt=prompt, max_tokens=1, cache_salt="e2e-ref")).wait(60)
-    reference = engine.kv_retrieve(prompt, "e2e-ref")
+    reference = engine.kv.retrieve(prompt, "e2e-ref")
     assert reference is not None
     # The replica's forward is compiled (fused kernels sum in another order), the reference eager: the
-    # tolerance of tests/test_compiled.py between the two.
+    # tolerance of tests/engine/test_compiled.py between the two.
     torch.testing.assert_close(kv[:, :, : reference.shape[2]], reference, atol=1e-4, rtol=1e-4)
     stored = kv.shape[2]
     assert context.store(kv, original.tokens[:stored], "e2e-b") is True

@@ -23,10 +23,10 @@ from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.servers import ROOT
 from serve_app.config import EngineConfig
 from serve_app.kv.view import BatchEntry, KVCacheView
+from serve_app.model.quant import quantize
 from serve_app.model.attention import step_context
-from serve_app.model import quantize
 from serve_app.model.compiled import WARM_UP_SHAPES
-from serve_app.model.onednn_linear import OneDnnLinear
+from serve_app.model.kernels.onednn_linear import OneDnnLinear
 from tests.adapters import build_adapter
 from tests.references import ReferenceModel
 
@@ -196,7 +196,7 @@ def test_onednn_linears_give_the_plain_products_and_restore_exactly(tiny_llama_p
     after a failed compile the very weights back."""
     from transformers import AutoModelForCausalLM
 
-    from serve_app.model.onednn_linear import onednn_supported, pack_linears, restore_linears
+    from serve_app.model.kernels.onednn_linear import onednn_supported, pack_linears, restore_linears
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
     assert onednn_supported(torch.device("cpu"))

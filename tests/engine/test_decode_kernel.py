@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.storage import KVShape
 from serve_app.kv.view import BatchEntry
-from serve_app.model.decode_kernel import (
+from serve_app.model.kernels.decode_kernel import (
     DecodeKernel,
     build_decode_kernel,
     load_decode_kernel,
@@ -98,7 +98,7 @@ def test_build_is_cached_per_source_and_reused(tmp_path: Path) -> None:
 
 def test_without_a_compiler_the_torch_path_runs(tmp_path: Path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="serve_app.model.decode_kernel"):
+    with caplog.at_level(logging.WARNING, logger="serve_app.model.kernels.decode_kernel"):
         assert load_decode_kernel(tmp_path, CPU, torch.float32) is None
     assert "falls back to torch" in caplog.text and "no C compiler" in caplog.text
     assert not (tmp_path / "kernels").exists()
@@ -107,7 +107,7 @@ def test_without_a_compiler_the_torch_path_runs(tmp_path: Path, monkeypatch, cap
 def test_an_unwritable_cache_dir_means_the_torch_path(tmp_path: Path, caplog) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    with caplog.at_level(logging.WARNING, logger="serve_app.model.decode_kernel"):
+    with caplog.at_level(logging.WARNING, logger="serve_app.model.kernels.decode_kernel"):
         assert load_decode_kernel(blocker, CPU, torch.float32) is None
     assert "cannot build into" in caplog.text
 

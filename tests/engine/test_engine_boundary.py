@@ -32,8 +32,8 @@ from serve_app.engine.messages import (
     send,
 )
 from serve_app.errors import EngineOverloadedError
-from serve_app.kv.page_events import PageEventBatch
 from serve_app.kv.prefix_cache import page_hashes
+from serve_app.routing.page_events import PageEventBatch
 
 OPTIONS = dict(kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=512)
 LONG_PROMPT = list(range(1, 449))  # 28 pages: its KV is far bigger than the call channel's socket buffer
@@ -249,7 +249,7 @@ def test_the_engine_process_reports_the_pages_it_caches(engine: InferenceEngine)
     try:
         send(child.streams, Submit(1, _greedy(LONG_PROMPT, 1, cache_salt="events")))
         child.finish_of(1)
-        expected = set(page_hashes(LONG_PROMPT, engine.kv_config().page_size, "events"))
+        expected = set(page_hashes(LONG_PROMPT, engine.kv.config().page_size, "events"))
         deadline = time.monotonic() + 10
         held: set = set()
         while not expected <= held and time.monotonic() < deadline:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve_app.model.int8_gemv import Int8Gemv, RowWeights, load_int8_gemv
-from serve_app.model.quantize import WEIGHT_MAX, Int8Linear
+from serve_app.model.kernels.int8_gemv import Int8Gemv, RowWeights, load_int8_gemv
+from serve_app.model.quant.quantize import WEIGHT_MAX, Int8Linear
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,6 @@ def test_an_int8_layer_runs_the_kernel_at_one_row_and_fbgemm_at_more(gemv: Int8G
 
 def test_without_a_compiler_every_step_runs_fbgemm(tmp_path: Path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="serve_app.model.int8_gemv"):
+    with caplog.at_level(logging.WARNING, logger="serve_app.model.kernels.int8_gemv"):
         assert load_int8_gemv(tmp_path) is None
     assert "fbgemm at one row too" in caplog.text and "no C compiler" in caplog.text

@@ -1,5 +1,5 @@
 """Prefix sharing through the engine, salts that never share, and a contiguous cache waiting for a slot
-(preemption under memory pressure: tests/test_speculation.py)."""
+(preemption under memory pressure: tests/engine/test_speculation.py)."""
 
 from __future__ import annotations
 

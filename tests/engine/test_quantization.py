@@ -11,10 +11,10 @@ from serve_app import InferenceEngine
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.quant_bench import teacher_forced_agreement
-from serve_app.model.fusion import GateUpMLP, fuse_gate_up
-from serve_app.model.quantization import apply_quantization
-from serve_app.model.quantize import Int8Linear
-from serve_app.model.weight_only import quantize_weight_only
+from serve_app.model.quant.fusion import GateUpMLP, fuse_gate_up
+from serve_app.model.quant.quantization import apply_quantization
+from serve_app.model.quant.quantize import Int8Linear
+from serve_app.model.quant.weight_only import quantize_weight_only
 
 
 def test_an_int8_linear_is_close_to_its_float_layer() -> None:

@@ -1,6 +1,6 @@
 """Agent frameworks against the server, as their users point them at it: pydantic-ai, LangChain,
 LiteLLM and the OpenAI Agents SDK, each on `/v1/chat/completions` with structured output and tools
-(the Agents SDK's default model class, on `/v1/responses`, runs in tests/test_responses.py).
+(the Agents SDK's default model class, on `/v1/responses`, runs in tests/http/test_responses.py).
 
 The embedded 135M model is small; the grammar is what makes each framework's output parse, so
 the tests check what the frameworks hand back (typed objects, tool calls that validate), greedy.

@@ -32,7 +32,7 @@ from tests.inprocess import (
 )
 from tests.tiny_models import build_tiny_model
 
-TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATES = Path(__file__).parents[1] / "templates"
 PARAMETERS = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -29,7 +29,7 @@ def greedy(engine: InferenceEngine, ids: list[int], salt: str, max_tokens: int =
 
 
 def test_config_describes_the_cache(engine: InferenceEngine) -> None:
-    config = engine.kv_config()
+    config = engine.kv.config()
     shape = engine.runner.kv_shape
     assert (config.page_size, config.n_layers, config.n_kv_heads, config.head_dim) == (
         PAGE, shape.n_layers, shape.n_kv_heads, shape.head_dim,
@@ -41,8 +41,8 @@ def test_config_describes_the_cache(engine: InferenceEngine) -> None:
 def test_retrieved_kv_equals_transformers(engine: InferenceEngine, reference: ReferenceModel, prompt: list[int]) -> None:
     greedy(engine, prompt, "retrieve", max_tokens=1)
     cached = len(prompt) // PAGE * PAGE
-    assert engine.kv_lookup(prompt, "retrieve") == cached
-    kv = engine.kv_retrieve(prompt, "retrieve")
+    assert engine.kv.lookup(prompt, "retrieve") == cached
+    kv = engine.kv.retrieve(prompt, "retrieve")
     shape = engine.runner.kv_shape
     assert kv is not None and kv.device.type == "cpu"
     assert kv.shape == (2, shape.n_layers, cached, shape.n_kv_heads * shape.head_dim)
@@ -51,9 +51,9 @@ def test_retrieved_kv_equals_transformers(engine: InferenceEngine, reference: Re
 
 def test_nothing_cached_under_another_salt_or_under_a_page(engine: InferenceEngine, prompt: list[int]) -> None:
     greedy(engine, prompt, "seen", max_tokens=1)
-    assert engine.kv_lookup(prompt, "never-used") == 0
-    assert engine.kv_retrieve(prompt, "never-used") is None
-    assert engine.kv_retrieve(prompt[: PAGE - 1], "seen") is None
+    assert engine.kv.lookup(prompt, "never-used") == 0
+    assert engine.kv.retrieve(prompt, "never-used") is None
+    assert engine.kv.retrieve(prompt[: PAGE - 1], "seen") is None
 
 
 def test_round_trip_to_another_salt_is_all_hits_and_greedy_equal(
@@ -61,10 +61,10 @@ def test_round_trip_to_another_salt_is_all_hits_and_greedy_equal(
 ) -> None:
     expected = greedy(engine, prompt, "A")
     assert expected == reference.greedy(prompt, 12)
-    kv = engine.kv_retrieve(prompt, "A")
+    kv = engine.kv.retrieve(prompt, "A")
     assert kv is not None
     stored = kv.shape[2]
-    assert engine.kv_store(kv, prompt[:stored], "B") is True
+    assert engine.kv.store(kv, prompt[:stored], "B") is True
     before = engine.get_stats()
     assert greedy(engine, prompt, "B") == expected
     after = engine.get_stats()
@@ -74,12 +74,12 @@ def test_round_trip_to_another_salt_is_all_hits_and_greedy_equal(
 
 def test_stored_kv_is_used_instead_of_prefill(engine: InferenceEngine, prompt: list[int]) -> None:
     expected = greedy(engine, prompt, "real")
-    kv = engine.kv_retrieve(prompt, "real")
+    kv = engine.kv.retrieve(prompt, "real")
     assert kv is not None
     stored = kv.shape[2]
     altered = kv.clone()
     altered[1] = torch.flip(altered[1], dims=[1])  # every layer's values in reverse token order
-    assert engine.kv_store(altered, prompt[:stored], "altered")
+    assert engine.kv.store(altered, prompt[:stored], "altered")
     before = engine.get_stats()
     assert greedy(engine, prompt, "altered") != expected
     after = engine.get_stats()
@@ -88,30 +88,30 @@ def test_stored_kv_is_used_instead_of_prefill(engine: InferenceEngine, prompt: l
 
 def test_store_deduplicates_and_checks_its_input(engine: InferenceEngine, prompt: list[int]) -> None:
     greedy(engine, prompt, "dedup", max_tokens=1)
-    kv = engine.kv_retrieve(prompt, "dedup")
+    kv = engine.kv.retrieve(prompt, "dedup")
     assert kv is not None
     stored = kv.shape[2]
-    assert engine.kv_store(kv, prompt[:stored], "dedup") is False
-    result = engine.kv_store_pages(kv, prompt[:stored], "dedup")
+    assert engine.kv.store(kv, prompt[:stored], "dedup") is False
+    result = engine.kv.store_pages(kv, prompt[:stored], "dedup")
     assert (result.stored_pages, result.deduplicated_pages) == (0, stored // PAGE)
     # A partial page at the end is cut off, not stored.
-    assert engine.kv_store_pages(kv[:, :, : PAGE + 3], prompt[: PAGE + 3], "partial").stored_pages == 1
-    assert engine.kv_lookup(prompt, "partial") == PAGE
+    assert engine.kv.store_pages(kv[:, :, : PAGE + 3], prompt[: PAGE + 3], "partial").stored_pages == 1
+    assert engine.kv.lookup(prompt, "partial") == PAGE
     with pytest.raises(ValueError, match="tokens: .* tokens for KV of"):
-        engine.kv_store(kv, prompt[: stored - 1], "x")
+        engine.kv.store(kv, prompt[: stored - 1], "x")
     with pytest.raises(ValueError, match="kv: shape"):
-        engine.kv_store(kv[:, 1:], prompt[:stored], "x")
+        engine.kv.store(kv[:, 1:], prompt[:stored], "x")
     with pytest.raises(ValueError, match="kv: shape"):
-        engine.kv_store(kv[0], prompt[:stored], "x")
+        engine.kv.store(kv[0], prompt[:stored], "x")
     with pytest.raises(ValueError, match="kv: dtype float16"):
-        engine.kv_store(kv.half(), prompt[:stored], "x")
+        engine.kv.store(kv.half(), prompt[:stored], "x")
     with pytest.raises(ValueError, match="tokens: token id"):
-        engine.kv_store(kv, [10**9] * stored, "x")
+        engine.kv.store(kv, [10**9] * stored, "x")
 
 
 def test_rerotate_k_moves_layer_zero_keys_to_new_positions(engine: InferenceEngine, reference: ReferenceModel) -> None:
     # Layer 0's k depends only on each token and its position, so a shifted run is a rotation away.
-    config = engine.kv_config()
+    config = engine.kv.config()
     body = engine.tokenizer.encode(" the keeper climbed the stairs to light the lamp")
     lead = engine.tokenizer.encode("At night")
     alone = reference.kv(body)
@@ -127,6 +127,6 @@ def test_contiguous_cache_refuses_kv_calls(tiny_llama_path) -> None:
     engine = InferenceEngine(compile=False, model=str(tiny_llama_path), kv_cache="contiguous", cache_tokens=1024, max_model_len=256)
     try:
         with pytest.raises(ValueError, match="kv_cache: .*paged"):
-            engine.kv_lookup([1, 2, 3])
+            engine.kv.lookup([1, 2, 3])
     finally:
         engine.shutdown()

@@ -29,7 +29,7 @@ from tests.inprocess import MODEL, InProcessServer, engine_server
 from tests.prompts import _PASSAGE
 
 PAGE = 16
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 MAX_KV_BYTES = 16 * 2**20
 
@@ -63,7 +63,7 @@ def prompt(engine: InferenceEngine) -> list[int]:
 
 
 def test_config_route_matches_the_engine(ctx: KVContext, engine: InferenceEngine) -> None:
-    assert ctx.config == engine.kv_config()
+    assert ctx.config == engine.kv.config()
     assert ctx.page_size == PAGE
 
 
@@ -76,8 +76,8 @@ def test_lookup_retrieve_store_round_trip(
     assert ctx.lookup(prompt, "http-a") == cached
     kv = ctx.retrieve(prompt, "http-a")
     # The server derives the engine's salt from the caller and the client's salt.
-    assert engine.kv_retrieve(prompt, "http-a") is None
-    assert kv is not None and torch.equal(kv, engine.kv_retrieve(prompt, context.tenants.cache_salt(OPEN, "http-a")))
+    assert engine.kv.retrieve(prompt, "http-a") is None
+    assert kv is not None and torch.equal(kv, engine.kv.retrieve(prompt, context.tenants.cache_salt(OPEN, "http-a")))
     assert ctx.store_pages(kv, prompt[:cached], "http-b") == {
         "stored": True, "stored_pages": cached // PAGE, "deduplicated_pages": 0,
     }

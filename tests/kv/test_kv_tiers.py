@@ -1,7 +1,7 @@
 """The disk tier behind an engine's page pool: a 2,000-token prefix evicted from a small pool by other
 traffic comes back from disk with the same greedy tokens as when it was computed; a corrupt or truncated
 page file is recomputed; tenants never meet there; and the disk store's own bound, order and checks.
-(The host and cluster tiers run under `serve run`: tests/test_kv_tiers_served.py.)"""
+(The host and cluster tiers run under `serve run`: tests/kv/test_kv_tiers_served.py.)"""
 
 from __future__ import annotations
 
@@ -58,9 +58,9 @@ def _evict(engine: InferenceEngine, ids: list[int], salt: str = "") -> None:
     """Other traffic until no page of `ids` is left in the pool."""
     for seed in range(100, 110):
         _greedy(engine, _prompt(engine, seed, 1200), salt="other-traffic")
-        if "pool" not in engine.kv_locate(ids, salt):
+        if "pool" not in engine.kv.locate(ids, salt):
             return
-    raise AssertionError(f"other traffic did not evict the prefix: {engine.kv_locate(ids, salt)}")
+    raise AssertionError(f"other traffic did not evict the prefix: {engine.kv.locate(ids, salt)}")
 
 
 def _hits(engine: InferenceEngine) -> dict[str, int]:
@@ -77,9 +77,9 @@ def test_an_evicted_prefix_comes_back_from_disk_with_the_same_tokens(tiered: Inf
     ids = _prompt(tiered, 1, 2010)
     cold = _greedy(tiered, ids)
     assert cold.cached_tokens == 0
-    assert tiered.kv_locate(ids) == ["pool"] * (2010 // PAGE)
+    assert tiered.kv.locate(ids) == ["pool"] * (2010 // PAGE)
     _evict(tiered, ids)
-    assert tiered.kv_locate(ids) == ["disk"] * (2010 // PAGE)
+    assert tiered.kv.locate(ids) == ["disk"] * (2010 // PAGE)
     before = _hits(tiered)
     warm = _greedy(tiered, ids)
     after = _hits(tiered)
@@ -134,7 +134,7 @@ def test_a_tier_that_is_gone_is_a_miss_and_the_request_recomputes(tiered: Infere
     shutil.rmtree(_disk(tiered).folder)  # every read and write of the disk tier fails from now on
     warm = _greedy(tiered, ids)
     assert warm.cached_tokens == 0 and warm.finish_reason == "length" and warm.token_ids == cold.token_ids
-    assert tiered.kv_locate(ids) == ["pool"] * (800 // PAGE)
+    assert tiered.kv.locate(ids) == ["pool"] * (800 // PAGE)
 
 
 def _page(value: int, size: int = 1000) -> np.ndarray:

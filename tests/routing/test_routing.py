@@ -3,12 +3,12 @@ replicas report to, a router's index of it, and the policy that ranks replicas."
 
 from __future__ import annotations
 
-from serve_app.kv.page_events import PageEventBatch, PageEventBuffer
 from serve_app.kv.page_pool import PagePool
 from serve_app.kv.prefix_cache import page_hashes
 from serve_app.routing.adapter_holders import AdapterHolders
 from serve_app.routing.decision import PrefixRouting
 from serve_app.routing.page_directory import PageDirectory
+from serve_app.routing.page_events import PageEventBatch, PageEventBuffer
 from serve_app.routing.policy import RoutingPolicy
 from serve_app.routing.prefix_index import PrefixIndex
 

@@ -11,7 +11,7 @@ import yaml
 from deployments.app import build_app
 from deployments.app_args import AppConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _engines(args: dict) -> dict:

@@ -180,7 +180,7 @@ def test_process_cpu_names_each_process_and_charges_it_per_token() -> None:
 
 def test_decode_kernel_bench_times_this_kernel_and_another_source_warm_and_cold(tmp_path: Path) -> None:
     """`--against` builds the other source too; every (round, kernel, caches) gets a time, written to --json."""
-    from serve_app.model.decode_kernel import SOURCE
+    from serve_app.model.kernels.decode_kernel import SOURCE
 
     older = tmp_path / "older.c"
     older.write_text(SOURCE.read_text() + "\n/* another build of the same kernel */\n")

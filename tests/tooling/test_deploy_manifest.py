@@ -13,7 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import build_app
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())
 CLUSTER = MANIFEST["spec"]["rayClusterConfig"]
 

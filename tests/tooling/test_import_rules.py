@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The KV tiers a node's Ray actors hold, reached from inside the engine's process, and the bench that starts
 # a two-raylet cluster to time them: the engine layer's one tie to Ray, not yet moved behind deployments/.
 RAY_OUTSIDE_DEPLOYMENTS = {"serve_app/kv/tiers/node_store.py", "serve_app/kv/tiers/ray_stores.py", "serve_app/bench/tiers_bench.py"}

@@ -1,0 +1,1 @@
+"""Tests of the app as users run it: serve run, a two-raylet cluster, a killed replica, a soak."""

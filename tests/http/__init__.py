@@ -1,0 +1,1 @@
+"""Tests of the HTTP APIs in process, with the official SDKs and agent frameworks, and the web page."""
