@@ -1,203 +1,26 @@
-"""The Anthropic Messages API: `/v1/messages` (streaming events and message objects) and token counting."""
+"""The Messages builder: message objects and the streamed events (content blocks as they are written); Anthropic's
+error shape, with 529 for an overload."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput, Usage
+from serve_app.http.protocols.anthropic.schema import MessagesRequest, parse
 from serve_app.http.protocols.base import ResponseBuilder, sse
-from serve_app.http.protocols.errors import (
-    ErrorFormat,
-    ProtocolError,
-    refuse_fields,
-    validate_body,
-)
+from serve_app.http.protocols.errors import ErrorFormat, ProtocolError
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
-from serve_app.http.tools.plan import (
-    Prompt,
-    ToolCall,
-    ToolCallFormat,
-    ToolPlan,
-    ToolSpec,
-    Turn,
-    plan,
-    read_answer,
-    tool_answer_reader,
-)
+from serve_app.http.tools.plan import read_answer, tool_answer_reader
 from serve_app.http.tools.stream import (
     ArgumentsDelta,
     CallStarted,
     TextDelta,
     ToolStream,
 )
-
-# Anthropic's API answers an overloaded service with 529 `overloaded_error`.
-OVERLOADED_STATUS = 529
-
-_ERROR_TYPES = {
-    "invalid_request": "invalid_request_error",
-    "authentication": "authentication_error",
-    "permission": "permission_error",
-    "not_found": "not_found_error",
-    "too_large": "request_too_large",
-    "rate_limit": "rate_limit_error",
-    "not_ready": "overloaded_error",
-    "overloaded": "overloaded_error",
-    "internal": "api_error",
-}
-
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextBlock(_Lenient):
-    type: Literal["text"]
-    text: str
-
-
-class ToolUseBlock(_Lenient):
-    type: Literal["tool_use"]
-    id: str
-    name: str
-    input: dict[str, Any]
-
-
-class ToolResultBlock(_Lenient):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: str | list[TextBlock] = ""
-    is_error: bool = False
-
-    def text(self) -> str:
-        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
-        return f"(error) {text}" if self.is_error else text
-
-
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
-
-
-class Message(_Lenient):
-    role: Literal["user", "assistant"]
-    content: str | list[Block]
-
-    def blocks(self) -> list[Block]:
-        return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
-
-
-class Tool(_Lenient):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
-    description: str = ""
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None
-
-
-class ToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: bool = False
-
-    @model_validator(mode="after")
-    def _name_with_tool(self) -> ToolChoice:
-        if (self.type == "tool") != (self.name is not None):
-            raise ValueError("name: give it exactly when type is tool")
-        return self
-
-
-class CountTokensRequest(_Lenient):
-    model: str
-    messages: list[Message] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-
-    def tool_plan(self) -> ToolPlan | None:
-        """How this request may call its tools, and which (Anthropic's `any` is `required`, `tool` a named one)."""
-        specs = [ToolSpec(t.name, t.description, t.input_schema) for t in self.tools or []]
-        if self.tool_choice is None:
-            return plan(specs, None)
-        kind = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[self.tool_choice.type]
-        return plan(specs, kind, self.tool_choice.name, parallel=not self.tool_choice.disable_parallel_tool_use)
-
-    def prompt(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> Prompt:
-        """System and turns for the chat template, in the model's tool-call format: a message's tool
-        results are tool turns (before its text), its tool uses the assistant turn's calls."""
-        system = self.system if isinstance(self.system, str) else "".join(b.text for b in self.system or [])
-        turns = [Turn("system", system)] if system else []
-        for message in self.messages:
-            blocks = message.blocks()
-            text = "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
-            turns.extend(
-                Turn("tool", b.text(), call_id=b.tool_use_id) for b in blocks if isinstance(b, ToolResultBlock)
-            )
-            uses = tuple(
-                ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
-                for b in blocks if isinstance(b, ToolUseBlock)
-            )
-            if uses or text or not any(isinstance(b, ToolResultBlock) for b in blocks):
-                turns.append(Turn(message.role, text, calls=uses))
-        return tools.prompt(turns, tool_plan)
-
-
-class OutputFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
-
-
-class OutputConfig(BaseModel):
-    """Anthropic's `output_config`: its `format` (structured output) is enforced; `effort` is refused."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    format: OutputFormat | None = None
-    effort: None = Field(None, description="reasoning effort: this server has no reasoning mode")
-
-
-class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
-    temperature: float = Field(1.0, ge=0.0, le=1.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    stream: bool = False
-    metadata: dict[str, Any] | None = None
-    output_config: OutputConfig | None = None
-    max_string_tokens: int | None = Field(None, ge=1)
-
-    def output_constraint(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> StructuredOutput | None:
-        """The grammar of the answer: the tool-call format's (`output_config.format` holding an answer
-        that uses no tool), or `output_config.format`'s."""
-        schema = self.output_config.format.schema_ if self.output_config and self.output_config.format else None
-        if tool_plan is not None:
-            return tools.constraint(tool_plan, schema)
-        return StructuredOutput(json=schema, param="output_config.format.schema") if schema is not None else None
-
-
-# Fields of Anthropic's API that this server does not implement: a 400 naming them.
-UNSUPPORTED = {
-    "thinking": "this server has no extended thinking",
-    "mcp_servers": "not supported",
-    "container": "not supported",
-    "output_format": "send output_config.format",
-}
-
-
-def parse(model: type[BaseModel], body: Any, served: ModelInfo) -> Any:
-    """Validate a body and its `model` (an unknown model is a 404, as Anthropic's API answers)."""
-    refuse_fields(body, UNSUPPORTED)
-    req = validate_body(model, body)
-    adapter_of(served, req.model)  # an unknown model is a 404, as Anthropic's API answers
-    return req
 
 
 def _tool_blocks(constraint: StructuredOutput, choice: Choice) -> tuple[list[dict[str, Any]], str]:
@@ -273,11 +96,25 @@ def _usage_json(usage: Usage) -> dict[str, int]:
     }
 
 
+_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "too_large": "request_too_large",
+    "rate_limit": "rate_limit_error",
+    "not_ready": "overloaded_error",
+    "overloaded": "overloaded_error",
+    "internal": "api_error",
+}
+
+
 def anthropic_error(error: ProtocolError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _ERROR_TYPES[error.kind], "message": error.message}}
 
 
-ERRORS = ErrorFormat(anthropic_error, {"overloaded": OVERLOADED_STATUS})
+# Anthropic's API answers an overloaded service with 529 `overloaded_error`.
+ERRORS = ErrorFormat(anthropic_error, {"overloaded": 529})
 
 
 class MessagesBuilder(ResponseBuilder):
@@ -370,4 +207,3 @@ class MessagesBuilder(ResponseBuilder):
             return self._message(prepared, [{"type": "text", "text": choice.text}], choice, final=True)
         blocks, stop_reason = _tool_blocks(stream.constraint, choice)
         return {**self._message(prepared, blocks, choice, final=True), "stop_reason": stop_reason}
-

@@ -1,253 +1,29 @@
-"""The OpenAI Responses API: `/v1/responses` requests (input items, instructions, function tools,
-`text.format`), response objects with `message` and `function_call` output items, and the streamed
-event sequence (`response.created` ... `response.completed`, each with its `sequence_number`).
-
-A builder serves one request: it carries the conversation of the `previous_response_id` it
-continues, numbers its events, and keeps what it answered (`finished`) for the response store.
-"""
+"""The Responses builder: response objects with `message` and `function_call` output items, and the streamed event
+sequence (`response.created` ... `response.completed`, each with its `sequence_number`); one builder per
+request."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
-
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from typing import Any
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput
 from serve_app.http.protocols.base import ResponseBuilder, sse
-from serve_app.http.protocols.errors import (
-    ProtocolError,
-    from_validation_error,
-    invalid,
-    refuse_fields,
-    validate_body,
-)
+from serve_app.http.protocols.errors import ProtocolError, refuse_fields, validate_body
 from serve_app.http.protocols.openai import ERRORS as OPENAI_ERRORS
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
+from serve_app.http.protocols.responses.schema import UNSUPPORTED, FunctionChoice, ResponsesRequest
 from serve_app.http.response_store import StoredResponse
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
-from serve_app.http.tools.plan import (
-    ToolCall,
-    ToolCallFormat,
-    ToolPlan,
-    ToolSpec,
-    Turn,
-    call_names,
-    plan,
-    read_answer,
-    tool_answer_reader,
-)
+from serve_app.http.tools.plan import ToolCall, Turn, read_answer, tool_answer_reader
 from serve_app.http.tools.stream import (
     ArgumentsDelta,
     CallStarted,
     TextDelta,
     ToolStream,
 )
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class InputText(_Strict):
-    type: Literal["input_text", "output_text"]
-    text: str
-    annotations: list[Any] | None = None  # output_text parts echoed back from an earlier output
-    logprobs: list[Any] | None = None
-
-
-class MessageItem(_Strict):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText]
-    id: str | None = None
-    status: str | None = None
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-
-class FunctionCallItem(_Strict):
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-    id: str | None = None
-    status: str | None = None
-
-
-class FunctionCallOutputItem(_Strict):
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str | list[InputText]
-    id: str | None = None
-    status: str | None = None
-
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
-
-
-def _item_kind(item: Any) -> str:
-    return item.get("type", "message") if isinstance(item, dict) else "message"
-
-
-class FunctionTool(_Strict):
-    type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class FunctionChoice(_Strict):
-    type: Literal["function"]
-    name: str
-
-
-class TextFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-    description: str | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> TextFormat:
-        if (self.type == "json_schema") != (self.schema_ is not None):
-            raise ValueError("schema: give it exactly when type is json_schema")
-        return self
-
-
-class TextOptions(_Strict):
-    format: TextFormat | None = None
-
-
-# Fields of the Responses API that this server does not implement: a 400 naming them.
-UNSUPPORTED = {
-    "background": "not supported: responses run in the foreground",
-    "conversation": "not supported; continue with previous_response_id",
-    "prompt": "not supported: there are no stored prompt templates here",
-    "reasoning": "this server has no reasoning mode",
-    "top_logprobs": "not supported",
-    "max_tool_calls": "not supported",
-    "service_tier": "not supported",
-    "context_management": "not supported",
-    "prompt_cache_retention": "not supported",
-    "prompt_cache_options": "not supported",
-}
-
-
-class ResponsesRequest(_Strict):
-    model: str
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool = True
-    text: TextOptions | None = None
-    stream: bool = False
-    store: bool = True
-    previous_response_id: str | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=16)
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    include: list[str] | None = None
-    truncation: Literal["disabled"] | None = None
-    max_string_tokens: int | None = Field(None, ge=1)
-
-    @field_validator("include")
-    @classmethod
-    def _nothing_to_include(cls, value: list[str] | None) -> list[str] | None:
-        if value:
-            raise ValueError("no additional output data is available from this server")
-        return value
-
-    def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
-        if isinstance(self.input, str):
-            return [MessageItem(role="user", content=self.input)]
-        items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem] = []
-        kinds = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
-        for index, item in enumerate(self.input):
-            kind = kinds.get(_item_kind(item))
-            if kind is None:
-                raise invalid(f"input.{index}.type: {_item_kind(item)!r} items are not supported", f"input.{index}.type")
-            items.append(_validated(kind, item, f"input.{index}."))
-        return items
-
-    def function_tools(self) -> list[FunctionTool]:
-        tools = []
-        for index, tool in enumerate(self.tools or []):
-            kind = tool.get("type")
-            if kind != "function":
-                raise invalid(
-                    f"tools.{index}.type: {kind!r} tools are not supported; only function tools", f"tools.{index}.type"
-                )
-            tools.append(_validated(FunctionTool, tool, f"tools.{index}."))
-        return tools
-
-    def tool_plan(self) -> ToolPlan | None:
-        specs = [
-            ToolSpec(t.name, t.description or "", t.parameters or {"type": "object", "properties": {}})
-            for t in self.function_tools()
-        ]
-        if isinstance(self.tool_choice, FunctionChoice):
-            return plan(specs, "named", self.tool_choice.name)
-        return plan(specs, self.tool_choice, parallel=self.parallel_tool_calls)
-
-    def output_constraint(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> StructuredOutput | None:
-        """The grammar of the answer: the tool-call format's (`text.format` holding an answer that calls
-        nothing), or `text.format`'s."""
-        text_format = self.text.format if self.text is not None else None
-        if tool_plan is not None:
-            schema = None
-            if text_format is not None and text_format.type != "text":
-                schema = text_format.schema_ if text_format.type == "json_schema" else {"type": "object"}
-            return tools.constraint(tool_plan, schema)
-        if text_format is None or text_format.type == "text":
-            return None
-        if text_format.type == "json_object":
-            return StructuredOutput(json_object=True, param="text.format")
-        return StructuredOutput(json=text_format.schema_, param="text.format.schema")
-
-    def turns(self, earlier: Sequence[Turn]) -> list[Turn]:
-        """The conversation so far: an earlier response's, then this input (calls join their assistant turn)."""
-        turns = list(earlier)
-        names = call_names(turns)
-        fresh = len(turns)
-        for item in self.input_items():
-            if isinstance(item, MessageItem):
-                turns.append(Turn("system" if item.role == "developer" else item.role, item.text()))
-            elif isinstance(item, FunctionCallItem):
-                call = ToolCall(item.call_id, item.name, item.arguments)
-                names[call.id] = call.name
-                last = turns[-1] if len(turns) > fresh else None
-                if last is not None and last.role == "assistant":
-                    turns[-1] = Turn("assistant", last.content, calls=(*last.calls, call))
-                else:
-                    turns.append(Turn("assistant", "", calls=(call,)))
-            else:
-                turns.append(Turn("tool", item.text(), call_id=item.call_id, name=names.get(item.call_id)))
-        return turns
-
-
-def _validated(model: type[BaseModel], value: Any, prefix: str) -> Any:
-    try:
-        return model.model_validate(value)
-    except ValidationError as error:
-        raise from_validation_error(error, prefix=prefix) from None
 
 
 def _usage(prepared: PreparedRequest, choice: Choice) -> dict[str, Any]:
@@ -486,5 +262,3 @@ class ResponsesBuilder(ResponseBuilder):
             self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part),
             self._event("response.output_item.done", output_index=index, item=item),
         ]
-
-
