@@ -18,6 +18,15 @@ def quantization_list(text: str) -> list[str]:
     return kinds
 
 
+def add_engine_form(parser: argparse.ArgumentParser, quantization: bool = True) -> None:
+    """The options of the engine's form that several benches take: its compiled forward, and its weights."""
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward"
+    )
+    if quantization:
+        parser.add_argument("--quantization", default="none", choices=["none", "int8"])
+
+
 def int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 

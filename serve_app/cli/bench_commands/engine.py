@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from serve_app.cli.parsing import int_list
+from serve_app.cli.parsing import add_engine_form, int_list
 from serve_app.config import DEFAULT_MODEL
 
 NAME = "engine"
@@ -19,9 +19,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt set")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward"
-    )
+    add_engine_form(parser, quantization=False)
 
 
 def run(args: argparse.Namespace) -> None:

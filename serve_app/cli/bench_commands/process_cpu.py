@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from serve_app.cli.parsing import int_list
+from serve_app.cli.parsing import add_engine_form, int_list
 from serve_app.config import DEFAULT_MODEL
 
 NAME = "process-cpu"
@@ -16,10 +16,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--concurrency", type=int_list, default=[1])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward"
-    )
-    parser.add_argument("--quantization", default="none", choices=["none", "int8"])
+    add_engine_form(parser)
     parser.add_argument("--json", default=None)
 
 
