@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serve_app.engine.io import GenerateRequest, StreamDelta
 from serve_app.engine.result import GenerateResult
@@ -17,11 +17,11 @@ Prompt = str | list[int]
 class Conveniences:
     """Mixed into `InferenceEngine`: everything here goes through its `submit` and `abort`."""
 
-    def submit(self, request: GenerateRequest) -> GenerateResult:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # InferenceEngine's own
 
-    def abort(self, task_id: int) -> None:
-        raise NotImplementedError
+        def submit(self, request: GenerateRequest) -> GenerateResult: ...
+
+        def abort(self, task_id: int) -> None: ...
 
     def generate(self, prompt: Prompt | Sequence[Prompt], stream: bool = False, **params: Any):
         """`str -> str`, `list -> list[str]`; with `stream=True`, deltas (`str`, or `(index, str)` for a list)."""

@@ -162,7 +162,7 @@ class InferenceEngine(Conveniences):
     def encode(self, request: GenerateRequest) -> EncodedRequest:
         """A request asked in process, as the engine runs it: its prompt's ids by this engine's tokenizer, its own
         `cache_salt` as the engine salt. (A server encodes where its HTTP layer runs, with the tenant's salt.)"""
-        return EncodedRequest(request, self.prompt_ids(request), request.cache_salt or "")
+        return EncodedRequest(request, self.tokenizer.prompt_ids(request), request.cache_salt or "")
 
     def submit(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
         """Validate and queue one request (encoded here if it is not yet); raise ValueError before queueing
@@ -231,7 +231,8 @@ class InferenceEngine(Conveniences):
         return lambda: adapters.release(slot)
 
     async def submit_async(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
-        """`submit` off the event loop (it may tokenize, and compiles grammars). A caller cancelled meanwhile leaves nothing running."""
+        """`submit` off the event loop (it may tokenize, and compiles grammars). A caller cancelled meanwhile leaves
+        nothing running."""
         gone = threading.Event()
 
         def submit() -> GenerateResult:
@@ -272,10 +273,6 @@ class InferenceEngine(Conveniences):
                 f"holds {limit}, so at most {room} can be generated",
             )
         return max_tokens
-
-    def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        """The token ids the engine feeds for a request: chat through the template, text encoded, ids as they are."""
-        return self.tokenizer.prompt_ids(request.prompt, request.messages, request.tools)
 
     def record_page_events(self) -> PageEventLog | None:
         """Log the page hashes the prefix cache publishes and drops (None without one). Drain the log on

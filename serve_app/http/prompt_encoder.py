@@ -23,7 +23,7 @@ class PromptEncoder:
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The ids the engine feeds for `request`: chat through the template, text encoded, ids as given."""
         try:
-            return self.tokenizer.prompt_ids(request.prompt, request.messages, request.tools)
+            return self.tokenizer.prompt_ids(request)
         except InvalidRequestError as error:
             raise invalid(str(error), error.param) from None
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serve_app.config import ToolFormat
 from serve_app.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from serve_app.engine.io import GenerateRequest
 
 ChatMessage = dict[str, Any]
 
@@ -68,12 +71,11 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return list(self.hf.encode(text, add_special_tokens=False))
 
-    def prompt_ids(
-        self, prompt: str | Sequence[int] | None, messages: Sequence[ChatMessage] | None, tools: list[dict] | None
-    ) -> list[int]:
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The ids fed for a request's input: chat through the template, text encoded, ids as they are."""
-        if messages is not None:
-            return self.encode_chat(messages, tools=tools)
+        prompt = request.prompt
+        if request.messages is not None:
+            return self.encode_chat(request.messages, tools=request.tools)
         if isinstance(prompt, str):
             ids = self.encode(prompt)
             if not ids:
