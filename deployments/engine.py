@@ -18,7 +18,7 @@ from deployments.placement import Placement
 from deployments.ray_metrics import RayMetrics
 from serve_app.engine.io import EncodedRequest, EngineCall, ModelInfo, RequestRefused, StreamDelta
 from serve_app.engine.process import EngineProcess, EngineProcessError
-from serve_app.engine.serving import EngineEvent, answer_or_refusal, engine_events
+from serve_app.engine.serving import answer_or_refusal, open_stream
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import ENGINE_METRICS, engine_samples
 from serve_app.routing.page_events import PageEventBatch
@@ -47,7 +47,8 @@ class EngineDeployment:
         config = llm_config.engine()  # on this node: its cache folder and device, unless the args set them
         model = config.model
         self.engine = EngineProcess(
-            Placement.of_this_actor().apply(config.with_options(model=model_here(model.name, model.cache_dir)))
+            Placement.of_this_actor().apply(config.with_options(model=model_here(model.name, model.cache_dir))),
+            child="deployments.engine_child",
         )
         engine = self.engine
         self.info = ModelInfo(llm_config.model_id, engine.max_model_len, engine.created, engine.tool_format)
@@ -64,28 +65,33 @@ class EngineDeployment:
         self._reporter = asyncio.get_running_loop().create_task(reporter.run())
         self._metrics = asyncio.get_running_loop().create_task(self._mirror_metrics(RayMetrics(ENGINE_METRICS, totals=True)))
 
-    async def generate(self, request: EncodedRequest) -> AsyncIterator[EngineEvent]:
-        if not request.trace_context:
-            async for event in engine_events(self.engine, request):
-                yield event
+    async def generate(self, request: EncodedRequest) -> AsyncIterator[StreamDelta | RequestRefused]:
+        """The request's deltas, or the one `RequestRefused` it amounts to (a value: an exception raised in a Ray
+        stream would reach the ingress wrapped)."""
+        try:
+            deltas = await open_stream(self.engine, request)
+        except RequestRefused as refused:
+            yield refused
             return
-        span = tracing.tracer().start_span("engine", context=tracing.parent(request.trace_context))
-        span.set_attribute("serve_app.replica", self._replica_id)
+        span = None
+        if request.trace_context:
+            span = tracing.tracer().start_span("engine", context=tracing.parent(request.trace_context))
+            span.set_attribute("serve_app.replica", self._replica_id)
         tokens = 0
         try:
-            async for event in engine_events(self.engine, request):
-                if isinstance(event, StreamDelta):
-                    tokens += len(event.token_ids)
-                    if event.queue_time_s is not None:
-                        span.set_attribute("serve_app.queue_time_s", event.queue_time_s)
-                    if event.finish_reason is not None:
-                        span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason])
-                else:
-                    span.set_attribute("serve_app.refused", event.message)
-                yield event
+            async for delta in deltas:
+                tokens += len(delta.token_ids)
+                if span is not None:
+                    if delta.queue_time_s is not None:
+                        span.set_attribute("serve_app.queue_time_s", delta.queue_time_s)
+                    if delta.finish_reason is not None:
+                        span.set_attribute("gen_ai.response.finish_reasons", [delta.finish_reason])
+                yield delta
         finally:
-            span.set_attribute("gen_ai.usage.output_tokens", tokens)
-            span.end()
+            await deltas.aclose()
+            if span is not None:
+                span.set_attribute("gen_ai.usage.output_tokens", tokens)
+                span.end()
 
     async def ask(self, call: EngineCall) -> Any | RequestRefused:
         """The engine's answer to `call` (stats, cached KV, adapters), or the refusal it amounts to."""

@@ -27,7 +27,7 @@ from deployments.response_store import RayResponses
 from serve_app.engine.io import EncodedRequest, EngineCall, ModelInfo, StreamDelta
 from serve_app.http.app import create_api
 from serve_app.http.context import ServerContext
-from serve_app.http.engine_client import EngineClient, deltas_from_events, unwrap
+from serve_app.http.engine_client import EngineClient, unwrap
 from serve_app.http.prompt_encoder import PromptEncoder
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.served_models import ServedModels
@@ -65,7 +65,8 @@ class RayEngineClient(EngineClient):
         events = _as_its_own_call().run(self._stream.generate.remote, request)
         started = False
         try:
-            async for delta in deltas_from_events(events):
+            async for event in events:
+                delta = unwrap(event)  # a refusal, before any delta, raises the protocol's error
                 started = True
                 yield delta
         except ProtocolError:

@@ -45,6 +45,7 @@ from serve_app.engine.messages import (
     send,
 )
 from serve_app.errors import EngineOverloadedError
+from serve_app.kv.tiers.tier_chain import RayTiers
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,10 @@ HEALTH_EVERY_S = 0.2
 
 
 class EngineChild:
-    """Relays the host's messages to an engine: requests in, one message of deltas per scheduler round out."""
+    """Relays the host's messages to an engine: requests in, one message of deltas per scheduler round out.
+
+    Each task's deltas go straight into the outbox, keyed by the id of the host's submit call.
+    """
 
     def __init__(self, engine: InferenceEngine, streams: Connection, calls: Connection) -> None:
         self.engine = engine
@@ -114,16 +118,14 @@ class EngineChild:
                 logger.error("unknown message %r", message)
 
     def _submit(self, message: Submit) -> None:
-        try:
-            result = self.engine.submit(message.request)  # tokenizes, compiles a grammar: no lock held
+        call_id = message.call_id
+        try:  # tokenizes a GenerateRequest, compiles a grammar: no lock held
+            task = self.engine.queue(message.request, lambda _, delta: self._post(call_id, delta))
         except Exception as error:
-            self._send_stream(Refused(message.call_id, portable(error)))
+            self._send_stream(Refused(call_id, portable(error)))
             return
-        task_id = result.task_id
-        # `Accepted` goes out before the subscription, so the request's deltas can only follow it.
-        self._send_stream(Accepted(message.call_id, task_id, result.prompt_tokens))
-        result.subscribe(lambda delta: self._post(task_id, delta))
-        self._flush()  # deltas published before the subscription have no scheduler round left to ship them
+        # Its deltas are keyed by the call id the host already waits on, so they may go out before this.
+        self._send_stream(Accepted(call_id, task.task_id))
 
     def _read_calls(self) -> None:
         try:
@@ -160,9 +162,10 @@ class EngineChild:
             self._pushed = health
             self._send_stream(health)
 
-    def _post(self, task_id: int, delta: StreamDelta) -> None:
+    def _post(self, call_id: int, delta: StreamDelta) -> None:
+        """A task's delta, on the scheduler thread: into the outbox that goes out once the round is over."""
         with self._outbox_lock:
-            self._outbox.append((task_id, delta))
+            self._outbox.append((call_id, delta))
 
     def _flush(self) -> None:
         with self._outbox_lock:
@@ -187,12 +190,14 @@ class EngineChild:
             send(self._streams, message)
 
 
-def main(stream_fd: int, call_fd: int) -> None:
+def main(stream_fd: int, call_fd: int, ray_tiers: RayTiers | None = None) -> None:
+    """Serve an engine over the two connections; `ray_tiers` builds the KV tiers kept in Ray, where the config
+    names any (`python -m deployments.engine_child` hands them)."""
     logging.basicConfig(level=logging.INFO, format="engine process %(levelname)s %(name)s: %(message)s")
     streams, calls = Connection(stream_fd), Connection(call_fd)
     try:
         config = EngineConfig.model_validate_json(streams.recv_bytes())
-        engine = InferenceEngine(config=config)
+        engine = InferenceEngine(config=config, ray_tiers=ray_tiers)
     except BaseException:
         send(streams, Failed(traceback.format_exc()))
         raise

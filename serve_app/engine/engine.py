@@ -7,7 +7,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import torch
@@ -27,6 +27,7 @@ from serve_app.engine.io import (
     LookupKV,
     RetrieveKV,
     StoreKV,
+    StreamDelta,
 )
 from serve_app.engine.loop import EngineLoop
 from serve_app.engine.result import GenerateResult
@@ -35,14 +36,14 @@ from serve_app.engine.speculation import Speculator
 from serve_app.engine.stats import engine_stats
 from serve_app.engine.step import ModelStep
 from serve_app.engine.stopping import StopStringMatcher
-from serve_app.engine.task import Task
+from serve_app.engine.task import DeltaSink, Task
 from serve_app.engine.tier_loading import TierLoading
 from serve_app.errors import InvalidRequestError
 from serve_app.kv.base import KVCache
 from serve_app.kv.factory import build_kv_cache
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.tiers.layout import layout_key
-from serve_app.kv.tiers.tier_chain import TierChain
+from serve_app.kv.tiers.tier_chain import RayTiers, TierChain
 from serve_app.kv.transfer import KVTransfer
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
@@ -83,6 +84,7 @@ class InferenceEngine(Conveniences):
 
     `InferenceEngine(model="smollm2-135m-instruct", kv_cache="paged")`; further options are the
     flat keys of `EngineConfig.from_options` (`page_size`, `cache_tokens`, `max_num_seqs`, ...).
+    `ray_tiers` builds the KV tiers kept in a Ray cluster, for a config that names them.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class InferenceEngine(Conveniences):
         kv_cache: str | None = None,
         *,
         config: EngineConfig | None = None,
+        ray_tiers: RayTiers | None = None,
         **options: Any,
     ) -> None:
         if model is not None:
@@ -98,6 +101,7 @@ class InferenceEngine(Conveniences):
         if kv_cache is not None:
             options["kv_cache"] = kv_cache
         self.config = (config or EngineConfig()).with_options(**options)
+        self._ray_tiers = ray_tiers
         logging.getLogger("serve_app").setLevel(self.config.logging.log_level.upper())
         self.runner, self.cache = _on_a_thread_of_its_own(self._load)
         self.max_model_len = self.runner.max_model_len
@@ -148,7 +152,7 @@ class InferenceEngine(Conveniences):
         assert isinstance(self.cache, PageCache)
         layout = layout_key(self.runner.path, config.model.cache_dir, config.model.quantization, self.cache.page_size,
                             self.runner.kv_shape)
-        chain = TierChain(config.tiers, layout, self.loop.deliver_loaded)
+        chain = TierChain(config.tiers, layout, self.loop.deliver_loaded, self._ray_tiers)
         self.cache.pool.record_published()
         self.scheduler.tiers = TierLoading(self.cache, chain)
         logger.info("KV tiers behind the pool: %s", ", ".join(source.name for source in chain.sources))
@@ -165,8 +169,16 @@ class InferenceEngine(Conveniences):
         return EncodedRequest(request, self.tokenizer.prompt_ids(request), request.cache_salt or "")
 
     def submit(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
-        """Validate and queue one request (encoded here if it is not yet); raise ValueError before queueing
-        anything bad."""
+        """Validate and queue one request (encoded here if it is not yet); its deltas gather in the result. Raises
+        what `new_task` and `start` raise, before queueing anything."""
+        encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
+        result = GenerateResult(task_id=-1, prompt_tokens=len(encoded.prompt_ids), _on_abandon=self.abort)
+        result.task_id = self.queue(encoded, lambda _, delta: result.publish(delta)).task_id  # -1 until queued
+        return result
+
+    def queue(self, request: GenerateRequest | EncodedRequest, out: DeltaSink) -> Task:
+        """Check a request and queue it, its deltas to go to `out` (on the scheduler thread). Raises
+        InvalidRequestError for a request the engine will not run, EngineOverloadedError when too many wait."""
         encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
         request, prompt_ids = encoded.request, encoded.prompt_ids
         max_tokens = self._check_lengths(prompt_ids, request.max_tokens)
@@ -184,7 +196,6 @@ class InferenceEngine(Conveniences):
             stop_ids |= self.tokenizer.eos_token_ids
         slot = self._adapter_slot(request.lora)
         task_id = next(self._task_ids)
-        result = GenerateResult(task_id=task_id, prompt_tokens=len(prompt_ids), _on_abandon=self.abort)
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator(device=self.runner.device)
@@ -197,7 +208,7 @@ class InferenceEngine(Conveniences):
             max_tokens=max_tokens,
             stop_token_ids=frozenset(stop_ids),
             cache_salt=encoded.prefix_salt,
-            result=result,
+            out=out,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
             stop_strings=StopStringMatcher(request.stop),
             generator=generator,
@@ -213,7 +224,7 @@ class InferenceEngine(Conveniences):
             if task.on_finished is not None:
                 task.on_finished()
             raise
-        return result
+        return task
 
     def _adapter_slot(self, name: str | None) -> int | None:
         """The slot of LoRA adapter `name`, held for one request (None for the base model)."""
@@ -248,6 +259,10 @@ class InferenceEngine(Conveniences):
             gone.set()
             submitting.add_done_callback(self._abort_submitted)
             raise
+
+    async def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:
+        """One request's deltas as they come, merged when the reader falls behind (`ServingEngine`)."""
+        return (await self.submit_async(request)).astream(coalesce=True)
 
     def _abort_submitted(self, submitting: asyncio.Future) -> None:
         """A submit whose caller left after it began: abort what it queued (a second abort is harmless)."""

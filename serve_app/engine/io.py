@@ -278,14 +278,28 @@ class EncodedRequest:
 RefusalKind = Literal["invalid_request", "not_ready", "overloaded"]
 
 
-@dataclass(frozen=True)
-class RequestRefused:
-    """The engine would not take a request or a call. A value, so it pickles through Ray streams and
-    handles; the HTTP side turns it into an error of its protocol's shape at one place."""
+class RequestRefused(Exception):
+    """The engine would not take a request or a call. Raised where that is found (the engine's checks raise the
+    kinds in `serve_app.errors`), it crosses the engine's process and Ray as it is (a Ray stream yields it as a
+    value), and the HTTP side turns it into its protocol's error at one place (`ProtocolError.of`)."""
 
-    kind: RefusalKind
-    message: str
-    param: str | None = None
+    kind: RefusalKind = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None, kind: RefusalKind | None = None) -> None:
+        super().__init__(f"{param}: {message}" if param else message)
+        self.message = message
+        self.param = param
+        if kind is not None:
+            self.kind = kind
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # subclasses take other arguments: rebuild by fields
+        return _rebuild_refusal, (type(self), self.message, self.param, self.kind)
+
+
+def _rebuild_refusal(cls: type[RequestRefused], message: str, param: str | None, kind: RefusalKind) -> RequestRefused:
+    refused = cls.__new__(cls)
+    RequestRefused.__init__(refused, message, param, kind)
+    return refused
 
 
 # -- calls besides generating, and their replies ------------------------------------------------------

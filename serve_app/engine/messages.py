@@ -4,8 +4,8 @@ Two connections join them, so that a big answer never holds up a stream:
 
     stream channel, host -> engine          stream channel, engine -> host
     Submit(call_id, request)                Ready(...) or Failed(reason), once, first
-    Abort(task_id)                          Accepted(call_id, task_id, prompt_tokens) or Refused(call_id, error)
-    ResendPages()                           Deltas([(task_id, StreamDelta), ...]), one per scheduler round
+    Abort(task_id)                          Accepted(call_id, task_id) or Refused(call_id, error)
+    ResendPages()                           Deltas([(call_id, StreamDelta), ...]), one per scheduler round
     Shutdown()                              Health(stats, healthy), when they change
                                             PagesChanged(batch), after a round that cached or evicted pages
 
@@ -13,7 +13,7 @@ Two connections join them, so that a big answer never holds up a stream:
     Call(call_id, EngineCall)               Reply(call_id, ok, value or error)
 
 The host sends the `EngineConfig` (JSON bytes) on the stream channel before anything else. A
-request's `Accepted` always comes before its first delta. KV tensors of up to a gigabyte travel
+request's deltas are keyed by its submit's call id, so they may arrive before its `Accepted`. KV tensors of up to a gigabyte travel
 only on the call channel. Messages are plain pickles (`send`, `receive`), not multiprocessing's,
 which would move tensors to shared memory.
 """
@@ -70,9 +70,10 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class Accepted:
+    """The engine queued the request of `call_id` as task `task_id` (the id to abort it by)."""
+
     call_id: int
     task_id: int
-    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Refused:
 
 @dataclass(frozen=True)
 class Deltas:
-    """Every delta one scheduler round published, in order."""
+    """Every delta one scheduler round published, in order, each with its request's submit call id."""
 
     items: list[tuple[int, StreamDelta]]
 

@@ -6,8 +6,9 @@ interpreter with them, the engine's single-client steps were about a quarter slo
 through HTTP 0.093 s in the replica, 0.074 s in its own process).
 
 Nothing here blocks a caller's event loop: messages go out through one writer thread per
-channel (a caller only queues them), and two reader threads turn the child's messages into the
-same `GenerateResult` objects the in-process engine hands out. A caller that gives up at any
+channel (a caller only queues them), and two reader threads hand the child's messages on: each
+delta into its request's `RequestStream` (made when the request is sent, so its deltas may come
+before the engine's `Accepted`), each answer to its caller's future. A caller that gives up at any
 moment (a cancelled `submit_async` or `answer_async`) costs only its own request: a request the
 engine accepts for a caller that has gone is aborted there. The wire is `serve_app.engine.messages`.
 """
@@ -48,7 +49,7 @@ from serve_app.engine.messages import (
     receive,
     send,
 )
-from serve_app.engine.result import GenerateResult
+from serve_app.engine.request_stream import RequestStream
 from serve_app.routing.page_events import PageEventBatch, PageEventBuffer
 
 logger = logging.getLogger(__name__)
@@ -89,15 +90,16 @@ class _Writer:
 
 
 class EngineProcess:
-    """Starts `python -m serve_app.engine.child`, waits until its engine is loaded, then serves through it."""
+    """Starts `python -m CHILD` (`serve_app.engine.child`, or a module that runs its `main` with more, as
+    `deployments.engine_child` does), waits until its engine is loaded, then serves through it."""
 
-    def __init__(self, config: EngineConfig, start_timeout: float = 900.0) -> None:
+    def __init__(self, config: EngineConfig, start_timeout: float = 900.0, child: str = "serve_app.engine.child") -> None:
         stream_host, stream_child = socket.socketpair()
         call_host, call_child = socket.socketpair()
         with stream_child, call_child:
             fds = (stream_child.fileno(), call_child.fileno())
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "serve_app.engine.child", *map(str, fds)], pass_fds=fds
+                [sys.executable, "-m", child, *map(str, fds)], pass_fds=fds
             )
         self._streams = Connection(stream_host.detach())
         self._calls = Connection(call_host.detach())
@@ -111,7 +113,7 @@ class EngineProcess:
         self._lock = threading.Lock()  # guards the tables below and `_exit_reason`
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}  # call id -> the answer to a submit or a call
-        self._results: dict[int, GenerateResult] = {}
+        self._requests: dict[int, RequestStream] = {}  # submit call id -> its request's deltas, until the last
         self._exit_reason: str | None = None
         self._stream_writer = _Writer(self._streams, "engine-process-stream-writer", self._fail_everything)
         self._call_writer = _Writer(self._calls, "engine-process-call-writer", self._fail_everything)
@@ -141,18 +143,30 @@ class EngineProcess:
         raise EngineProcessError(f"the engine process did not start (exit code {self._process.returncode})")
 
     # -- the serving API ----------------------------------------------------------------------
-    def submit(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
+    def submit(self, request: GenerateRequest | EncodedRequest) -> RequestStream:
         """Queue one request; raise what the engine raised if it refused it."""
-        return self._request(lambda call_id: Submit(call_id, request), self._stream_writer).result()
+        return self._submit(request).result()
 
-    async def submit_async(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
+    async def submit_async(self, request: GenerateRequest | EncodedRequest) -> RequestStream:
         """As `submit`; a caller cancelled while it waits leaves nothing running in the engine."""
-        future = self._request(lambda call_id: Submit(call_id, request), self._stream_writer)
+        future = self._submit(request)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             future.add_done_callback(self._abort_accepted)
             raise
+
+    async def stream(self, request: EncodedRequest) -> RequestStream:
+        return await self.submit_async(request)
+
+    def _submit(self, request: GenerateRequest | EncodedRequest) -> Future:
+        stream = RequestStream(self._abandon)
+
+        def message(call_id: int) -> Submit:
+            self._requests[call_id] = stream  # under the lock, before the engine can send a delta
+            return Submit(call_id, request)
+
+        return self._request(message, self._stream_writer)
 
     def abort(self, task_id: int) -> None:
         self._post(self._stream_writer, Abort(task_id))
@@ -208,7 +222,8 @@ class EngineProcess:
             if self._exit_reason is not None:
                 raise EngineProcessError(self._exit_reason)
             self._pending[call_id] = future
-        writer.post(message(call_id))
+            sent = message(call_id)
+        writer.post(sent)
         return future
 
     def _post(self, writer: _Writer, message: ToEngine) -> None:
@@ -241,18 +256,20 @@ class EngineProcess:
     def _dispatch(self, message: Any) -> None:
         match message:
             case Deltas(items):
-                for task_id, delta in items:
-                    self._publish(task_id, delta)
-            case Accepted(call_id, task_id, prompt_tokens):
-                result = GenerateResult(task_id=task_id, prompt_tokens=prompt_tokens, _on_abandon=self._abandon)
+                for call_id, delta in items:
+                    self._publish(call_id, delta)
+            case Accepted(call_id, task_id):
                 with self._lock:
-                    self._results[task_id] = result
+                    stream = self._requests.get(call_id)
                     future = self._pending.pop(call_id)
-                if not _settle(future, result):  # the caller gave up before the engine took it
+                if stream is not None:
+                    stream.task_id = task_id
+                if not _settle(future, stream):  # the caller gave up before the engine took it
                     self._abandon(task_id)
             case Refused(call_id, error):
                 with self._lock:
                     future = self._pending.pop(call_id)
+                    self._requests.pop(call_id, None)
                 _settle(future, error=error)
             case Reply(call_id, ok, value):
                 with self._lock:
@@ -269,18 +286,13 @@ class EngineProcess:
             case _:
                 logger.error("unknown message from the engine process: %r", message)
 
-    def _publish(self, task_id: int, delta: StreamDelta) -> None:
+    def _publish(self, call_id: int, delta: StreamDelta) -> None:
         with self._lock:
-            result = self._results.get(task_id)
-            if result is not None and delta.finish_reason is not None:
-                del self._results[task_id]
-        if result is None:
-            return
-        if delta.usage is not None:  # the engine's count of prompt tokens found in the prefix cache
-            result.set_cached_tokens(delta.usage.cached_tokens)
-        if delta.queue_time_s is not None:
-            result.set_queue_time(delta.queue_time_s)
-        result.publish(delta)
+            stream = self._requests.get(call_id)
+            if stream is not None and delta.finish_reason is not None:
+                del self._requests[call_id]
+        if stream is not None:
+            stream.put(delta)
 
     def _abort_accepted(self, future: Future) -> None:
         """Done-callback of a submit whose caller was cancelled: abort the request if the engine took it."""
@@ -298,15 +310,16 @@ class EngineProcess:
             if self._exit_reason is None:
                 self._exit_reason = reason
             pending = list(self._pending.values())
-            results = list(self._results.values())
+            streams = list(self._requests.values())
             self._pending.clear()
-            self._results.clear()
+            self._requests.clear()
         for future in pending:
             _settle(future, error=EngineProcessError(reason))
-        for result in results:
-            result.publish(StreamDelta("", (), "error", error=reason))
-        if pending or results:
-            logger.error("%s; %d requests failed", reason, len(pending) + len(results))
+        for stream in streams:
+            stream.put(StreamDelta("", (), "error", error=reason))
+        failed = len(pending) + sum(stream.task_id is not None for stream in streams)  # a pending submit has both
+        if failed:
+            logger.error("%s; %d requests and calls failed", reason, failed)
 
     def _stop_process(self) -> None:
         if self._process.poll() is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from serve_app.engine.io import FinishReason, StreamDelta, TokenLogprob, Usage, merge_deltas
 
@@ -39,23 +39,20 @@ class GenerateResult:
         return Usage(self.prompt_tokens, len(self.token_ids), self.cached_tokens)
 
     def publish(self, delta: StreamDelta) -> None:
-        """Called by the scheduler thread: record a delta and wake every waiter.
-
-        The first and the final delta (the one with a finish reason) carry the request's usage; the first
-        its queue time too.
-        """
+        """Called by the scheduler thread: record a delta (the first and the last carry the usage, the first the
+        queue time) and wake every waiter."""
         with self._done:
             self.text += delta.text
             self.token_ids.extend(delta.token_ids)
             self.logprobs.extend(delta.logprobs)
+            if delta.usage is not None:
+                self.cached_tokens = delta.usage.cached_tokens
+            if delta.queue_time_s is not None:
+                self.queue_time_s = delta.queue_time_s
             if delta.finish_reason is not None:
                 self.finish_reason = delta.finish_reason
                 self.error = delta.error
                 self.stop_string = delta.stop_string
-            if not self._deltas:
-                delta = replace(delta, usage=self.usage, queue_time_s=self.queue_time_s)
-            elif delta.finish_reason is not None:
-                delta = replace(delta, usage=self.usage)
             self._deltas.append(delta)
             self._new_delta.set()
             self._done.notify_all()
@@ -75,15 +72,6 @@ class GenerateResult:
     def unsubscribe(self, notify: Callable[[StreamDelta], None]) -> None:
         with self._done:
             self._subscribers.remove(notify)
-
-    def set_cached_tokens(self, count: int) -> None:
-        with self._done:
-            self.cached_tokens = count
-
-    def set_queue_time(self, seconds: float) -> None:
-        """How long the request waited from submission to its first admission."""
-        with self._done:
-            self.queue_time_s = seconds
 
     def wait(self, timeout: float | None = None) -> GenerateResult:
         """Block until the request has finished; raise TimeoutError after `timeout` seconds."""

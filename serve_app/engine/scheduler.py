@@ -10,7 +10,6 @@ The loop (`loop.py`) calls it from the engine's thread; the step (`step.py`) run
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -131,7 +130,7 @@ class Scheduler:
             if outcome.delta.finish_reason is not None:
                 self.finish(task, outcome.delta)
             else:
-                task.result.publish(outcome.delta)
+                task.publish(outcome.delta)
 
     # -- memory ---------------------------------------------------------------------------------
     def _make_room_for_decodes(self) -> None:
@@ -184,8 +183,7 @@ class Scheduler:
             if not task.admitted_once:
                 task.admitted_once = True
                 self.stats.prompt_tokens += task.prompt_len
-                task.result.set_cached_tokens(cached)
-                task.result.set_queue_time(time.monotonic() - task.submitted_at)
+                task.admitted(cached)
 
     def _build_batch(self) -> Batch:
         """Every decode token (and its proposals, where speculating), then prefill chunks while the token
@@ -257,7 +255,7 @@ class Scheduler:
         task.state = TaskState.FINISHED
         if task.on_finished is not None:
             task.on_finished()
-        task.result.publish(delta)
+        task.publish(delta)
 
     def _loading(self) -> list[Task]:
         return list(self.tiers.loading.values()) if self.tiers is not None else []

@@ -1,8 +1,8 @@
 """The engine's serving boundary: what Serve's deployment and the HTTP layer need of an engine.
 
-`ServingEngine` is met by `InferenceEngine` (in process) and `EngineProcess` (in its own). A
-refused request or call becomes a `RequestRefused` value, which pickles through Ray streams and
-handles; the HTTP side turns it back into an error of its protocol's shape.
+`ServingEngine` is met by `InferenceEngine` (in process) and `EngineProcess` (in its own). What
+either refuses arrives as a `RequestRefused` (`refused` also names a bare ValueError so), which
+pickles through Ray streams and handles; the HTTP side turns it into its protocol's error.
 """
 
 from __future__ import annotations
@@ -12,8 +12,14 @@ from typing import Any, Protocol
 
 from serve_app.config import ToolFormat
 from serve_app.engine.io import EncodedRequest, EngineCall, RequestRefused, StreamDelta
-from serve_app.engine.result import GenerateResult
-from serve_app.errors import CacheFullError, EngineOverloadedError, InvalidRequestError
+
+
+class DeltaStream(Protocol):
+    """One request's deltas as they come (merged when the reader falls behind); closing it early cancels it."""
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]: ...
+    async def aclose(self) -> None: ...
+
 
 class ServingEngine(Protocol):
     """An engine, in this process or in its own."""
@@ -22,42 +28,31 @@ class ServingEngine(Protocol):
     created: int
     tool_format: ToolFormat
 
-    async def submit_async(self, request: EncodedRequest) -> GenerateResult: ...
+    async def stream(self, request: EncodedRequest) -> DeltaStream: ...
     async def answer_async(self, call: EngineCall) -> Any: ...
 
     @property
     def healthy(self) -> bool: ...
 
 
-EngineEvent = StreamDelta | RequestRefused
-
-
-def refusal(error: Exception) -> RequestRefused | None:
+def refused(error: Exception) -> RequestRefused | None:
     """The refusal an engine error stands for; None for an error that is the server's fault."""
-    if isinstance(error, InvalidRequestError):
-        return RequestRefused("invalid_request", str(error), error.param)
-    if isinstance(error, (EngineOverloadedError, CacheFullError)):
-        return RequestRefused("overloaded", str(error))
-    if isinstance(error, ValueError):
-        return RequestRefused("invalid_request", str(error))
+    if isinstance(error, RequestRefused):
+        return error
+    if isinstance(error, ValueError):  # a library's check of the request (a grammar that does not compile)
+        return RequestRefused(str(error))
     return None
 
 
-async def engine_events(engine: ServingEngine | None, request: EncodedRequest) -> AsyncIterator[EngineEvent]:
-    """One request's deltas (merged when the reader falls behind), or a single `RequestRefused`."""
-    if engine is None:
-        yield RequestRefused("not_ready", "Engine not initialized")
-        return
+async def open_stream(engine: ServingEngine, request: EncodedRequest) -> DeltaStream:
+    """The request's stream; raises the `RequestRefused` a refusal amounts to."""
     try:
-        result = await engine.submit_async(request)
+        return await engine.stream(request)
     except Exception as error:
-        refused = refusal(error)
-        if refused is None:
+        refusal = refused(error)
+        if refusal is None or refusal is error:
             raise
-        yield refused
-        return
-    async for delta in result.astream(coalesce=True):
-        yield delta
+        raise refusal from error
 
 
 async def answer_or_refusal(engine: ServingEngine, call: EngineCall) -> Any:
@@ -65,7 +60,7 @@ async def answer_or_refusal(engine: ServingEngine, call: EngineCall) -> Any:
     try:
         return await engine.answer_async(call)
     except Exception as error:
-        refused = refusal(error)
-        if refused is None:
+        refusal = refused(error)
+        if refusal is None:
             raise
-        return refused
+        return refusal

@@ -1,17 +1,17 @@
-"""Task: the scheduler's state for one request, from waiting through running to finished."""
+"""Task: the scheduler's state for one request, from waiting through running to finished, and where its deltas
+go (`DeltaSink`: a result in process, the engine process's outbox in its own)."""
 
 from __future__ import annotations
 
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from serve_app.engine.io import FinishReason, SamplingParams, StreamDelta, TokenLogprob
-from serve_app.engine.result import GenerateResult
+from serve_app.engine.io import FinishReason, SamplingParams, StreamDelta, TokenLogprob, Usage
 from serve_app.engine.speculation import TaskSpeculation
 from serve_app.engine.stopping import StopStringMatcher
 
@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     import xgrammar
 
     from serve_app.engine.answer_guard import AnswerGuard
+
+
+# Where a task's deltas go: called with its id and each delta, on the engine's thread (keep it tiny).
+DeltaSink = Callable[[int, StreamDelta], None]
 
 
 class TaskState(enum.Enum):
@@ -41,7 +45,7 @@ class Task:
     max_tokens: int
     stop_token_ids: frozenset[int]
     cache_salt: str
-    result: GenerateResult
+    out: DeltaSink
     detokenizer: IncrementalDetokenizer
     stop_strings: StopStringMatcher
     generator: torch.Generator | None = None
@@ -58,6 +62,9 @@ class Task:
     loaded: LoadedPages | None = None  # pages the tiers gave it, until it is admitted
     drafts: list[int] = field(default_factory=list)  # tokens proposed for this step, verified after its forward
     speculation: TaskSpeculation | None = None  # its n-grams and how its proposals fared, once it has proposed
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+    queue_time_s: float | None = None  # from submission to its first admission
+    published: bool = False  # a delta has gone out
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +81,24 @@ class Task:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed < self.num_tokens - 1
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.prompt_len, self.num_output, self.cached_tokens)
+
+    def admitted(self, cached_tokens: int) -> None:
+        """Its first admission: how much of its prompt the cache held, and how long it waited."""
+        self.cached_tokens = cached_tokens
+        self.queue_time_s = time.monotonic() - self.submitted_at
+
+    def publish(self, delta: StreamDelta) -> None:
+        """Send a delta on: the first carries the usage so far and the queue time, the last the final usage."""
+        if not self.published:
+            self.published = True
+            delta = replace(delta, usage=self.usage, queue_time_s=self.queue_time_s)
+        elif delta.finish_reason is not None:
+            delta = replace(delta, usage=self.usage)
+        self.out(self.task_id, delta)
 
     def accept(self, token: int, max_model_len: int, logprob: TokenLogprob | None = None) -> StreamDelta:
         """Append a sampled token; return the text it adds and, when it ends the task, why.

@@ -1,8 +1,8 @@
 """How the HTTP layer reaches an engine: the `EngineClient` interface, and `LocalEngineClient` in process.
 
 Serve's ingress has its own client made of Ray handles (`deployments.ingress.RayEngineClient`).
-Either way an engine's refusal arrives as a `RequestRefused` value and leaves here as a
-`ProtocolError`, before any delta.
+Either way an engine's refusal arrives as a `RequestRefused` and leaves the client as a
+`ProtocolError` (`ProtocolError.of`), before any delta.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from serve_app.engine.io import EncodedRequest, EngineCall, ModelInfo, RequestRefused, StreamDelta
-from serve_app.engine.serving import answer_or_refusal, engine_events
+from serve_app.engine.serving import answer_or_refusal, open_stream
 from serve_app.http.prompt_encoder import PromptEncoder
 from serve_app.http.protocols.errors import ProtocolError
 
@@ -57,30 +57,11 @@ class EngineClient(ABC):
     async def ready(self) -> bool: ...
 
 
-# Engine fields that clients name otherwise: an adapter is named in the request's `model`.
-_CLIENT_NAMES = {"lora": "model"}
-
-
 def unwrap(answer: T | RequestRefused) -> T:
-    """An engine's answer, with a refusal raised as ProtocolError (naming the field as clients know it)."""
+    """An engine's answer, with a refusal raised as the protocol's error."""
     if isinstance(answer, RequestRefused):
-        param = _CLIENT_NAMES.get(answer.param or "", answer.param)
-        message = answer.message
-        if param != answer.param and answer.param and message.startswith(f"{answer.param}: "):
-            message = f"{param}: {message.removeprefix(f'{answer.param}: ')}"
-        raise ProtocolError(answer.kind, message, param)
+        raise ProtocolError.of(answer)
     return answer
-
-
-async def deltas_from_events(events: AsyncIterator[Any]) -> AsyncIterator[StreamDelta]:
-    """Deltas from an engine's event stream; a `RequestRefused` raises ProtocolError."""
-    try:
-        async for event in events:
-            yield unwrap(event)
-    finally:
-        closer = getattr(events, "aclose", None)
-        if closer is not None:
-            await closer()
 
 
 class LocalEngineClient(EngineClient):
@@ -91,8 +72,16 @@ class LocalEngineClient(EngineClient):
         self.prompts = PromptEncoder(engine.tokenizer)
         self.info = ModelInfo(served_name, engine.max_model_len, engine.created, engine.tool_format)
 
-    def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:
-        return deltas_from_events(engine_events(self.engine, request))
+    async def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:
+        try:
+            deltas = await open_stream(self.engine, request)
+        except RequestRefused as refused:
+            raise ProtocolError.of(refused) from None
+        try:
+            async for delta in deltas:
+                yield delta
+        finally:
+            await deltas.aclose()
 
     async def ask(self, call: EngineCall) -> Any:
         return unwrap(await answer_or_refusal(self.engine, call))

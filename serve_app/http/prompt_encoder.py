@@ -8,9 +8,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from serve_app.engine.io import EncodedRequest, GenerateRequest
-from serve_app.errors import InvalidRequestError
-from serve_app.http.protocols.errors import invalid
+from serve_app.engine.io import EncodedRequest, GenerateRequest, RequestRefused
+from serve_app.http.protocols.errors import ProtocolError
 from serve_app.model.tokenizer import Tokenizer
 
 
@@ -24,8 +23,8 @@ class PromptEncoder:
         """The ids the engine feeds for `request`: chat through the template, text encoded, ids as given."""
         try:
             return self.tokenizer.prompt_ids(request)
-        except InvalidRequestError as error:
-            raise invalid(str(error), error.param) from None
+        except RequestRefused as refused:
+            raise ProtocolError.of(refused) from None
 
     async def encode(
         self, requests: Sequence[GenerateRequest], engine_salts: Sequence[str], trace_context: dict[str, str]

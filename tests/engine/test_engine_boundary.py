@@ -72,19 +72,21 @@ class ChildOverSockets:
             self.page_events.append(message.batch)
 
     def finish_of(self, call_id: int, timeout: float = 30.0) -> tuple[int, list[int]]:
-        """Read the stream channel until the request of `call_id` has finished: (task id, its tokens)."""
+        """Read the stream channel until the request of `call_id` has been accepted and has finished: (task id,
+        its tokens). Its deltas carry the call id, and may come before its `Accepted`."""
         deadline = time.monotonic() + timeout
-        task_id, tokens = None, []
+        task_id, tokens, finished = None, [], False
         while time.monotonic() < deadline:
             message = self.next_stream_message(deadline - time.monotonic())
             if isinstance(message, Accepted) and message.call_id == call_id:
                 task_id = message.task_id
             if isinstance(message, Deltas):
-                for task, delta in message.items:
-                    if task == task_id:
+                for call, delta in message.items:
+                    if call == call_id:
                         tokens.extend(delta.token_ids)
-                        if delta.finish_reason is not None:
-                            return task_id, tokens
+                        finished = finished or delta.finish_reason is not None
+            if finished and task_id is not None:
+                return task_id, tokens
         raise AssertionError(f"request {call_id} did not finish in {timeout} s")
 
     def close(self) -> None:

@@ -47,11 +47,11 @@ def test_tokens_and_usage_equal_the_in_process_engine(process: EngineProcess, co
         expected = [local.submit(_greedy(p)).wait(60) for p in PROMPTS]
     finally:
         local.shutdown()
-    results = [process.submit(_greedy(p)) for p in PROMPTS]  # all in flight together
-    for result, reference in zip(results, expected):
-        result.wait(60)
-        assert result.token_ids == reference.token_ids and result.text == reference.text
-        assert result.finish_reason == "length" and result.usage == reference.usage
+    streams = [process.submit(_greedy(p)) for p in PROMPTS]  # all in flight together
+    for stream, reference in zip(streams, expected):
+        whole = stream.wait(60)
+        assert list(whole.token_ids) == reference.token_ids and whole.text == reference.text
+        assert whole.finish_reason == "length" and whole.usage == reference.usage
     assert process.max_model_len == 512
 
 
@@ -59,11 +59,11 @@ def test_a_stream_is_the_whole_result_in_order(process: EngineProcess) -> None:
     whole = process.submit(_greedy(PROMPTS[1], 20)).wait(60)
 
     async def streamed() -> list:
-        result = await process.submit_async(_greedy(PROMPTS[1], 20))
-        return [delta async for delta in result.astream()]
+        stream = await process.submit_async(_greedy(PROMPTS[1], 20))
+        return [delta async for delta in stream]
 
     deltas = asyncio.run(streamed())
-    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert tuple(t for d in deltas for t in d.token_ids) == whole.token_ids
     assert deltas[0].usage is not None and deltas[-1].finish_reason == "length"
     # The second run found the first one's prompt in the prefix cache, and says so.
     assert deltas[-1].usage.cached_tokens == 32
@@ -84,8 +84,7 @@ def test_abandoning_a_stream_cancels_it_and_frees_its_pages(process: EngineProce
     before = wait_idle(lambda: _stats(process))
 
     async def read_two() -> int:
-        result = await process.submit_async(_greedy(PROMPTS[2], 400))
-        stream = result.astream()
+        stream = await process.submit_async(_greedy(PROMPTS[2], 400))
         taken = [await anext(stream), await anext(stream)]
         await stream.aclose()
         return len(taken)
@@ -130,10 +129,10 @@ def test_cached_kv_crosses_the_process(process: EngineProcess, config: EngineCon
 def test_a_killed_engine_process_fails_its_requests(config: EngineConfig) -> None:
     engine = EngineProcess(config)
     try:
-        result = engine.submit(_greedy(PROMPTS[0], 400))
+        stream = engine.submit(_greedy(PROMPTS[0], 400))
         engine._process.kill()
-        result.wait(30)
-        assert result.finish_reason == "error" and "exited" in (result.error or "")
+        whole = stream.wait(30)
+        assert whole.finish_reason == "error" and "exited" in (whole.error or "")
         deadline = time.monotonic() + 10
         while engine.alive and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -148,9 +147,10 @@ def test_a_killed_engine_process_fails_its_requests(config: EngineConfig) -> Non
 
 def test_shutdown_cancels_unfinished_requests(config: EngineConfig) -> None:
     engine = EngineProcess(config)
-    result = engine.submit(_greedy(PROMPTS[1], 400))
+    stream = engine.submit(_greedy(PROMPTS[1], 400))
     engine.shutdown()
-    assert result.wait(10).finish_reason == "cancelled" and len(result.token_ids) < 400
+    whole = stream.wait(10)
+    assert whole.finish_reason == "cancelled" and len(whole.token_ids) < 400
     assert not engine.alive
 
 
@@ -165,7 +165,7 @@ def test_a_submit_cancelled_before_the_engine_accepts_it_cancels_that_request_on
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting
-        return [delta async for delta in kept.astream()]
+        return [delta async for delta in kept]
 
     deltas = asyncio.run(scenario())
     assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 60

@@ -36,13 +36,23 @@ def _scheduler(pages: int, **limits: int) -> Scheduler:
     return Scheduler(cache, config, MAX_MODEL_LEN)
 
 
+_RESULTS: dict[int, GenerateResult] = {}  # id(task) -> what its deltas added up to
+
+
 def _task(tokenizer: Tokenizer, task_id: int, prompt: list[int], max_tokens: int = 8) -> Task:
-    return Task(
+    result = GenerateResult(task_id=task_id, prompt_tokens=len(prompt))
+    task = Task(
         task_id=task_id, prompt_len=len(prompt), tokens=list(prompt), params=SamplingParams(temperature=0),
         max_tokens=max_tokens, stop_token_ids=frozenset(), cache_salt="",
-        result=GenerateResult(task_id=task_id, prompt_tokens=len(prompt)),
+        out=lambda _, delta: result.publish(delta),
         detokenizer=IncrementalDetokenizer(tokenizer, prompt), stop_strings=StopStringMatcher([]),
     )
+    _RESULTS[id(task)] = result
+    return task
+
+
+def _result(task: Task) -> GenerateResult:
+    return _RESULTS[id(task)]
 
 
 def _step(scheduler: Scheduler, token: int = 42) -> Batch | None:
@@ -80,7 +90,7 @@ def test_admission_stops_at_max_num_seqs_and_a_finished_task_lets_the_next_in(to
     _step(scheduler)
     assert [t.task_id for t in scheduler.running] == [1, 2] and [t.task_id for t in scheduler.waiting] == [3]
     _step(scheduler)  # the second token ends the first two (max_tokens=2)
-    assert [t.result.finish_reason for t in tasks[:2]] == ["length", "length"]
+    assert [_result(t).finish_reason for t in tasks[:2]] == ["length", "length"]
     _step(scheduler)
     assert [t.task_id for t in scheduler.running] == [3]
     assert scheduler.stats.prompt_tokens == 12
@@ -98,11 +108,11 @@ def test_a_decode_out_of_pages_preempts_the_newest_task_which_recomputes_later(t
     assert list(scheduler.waiting) == [newer] and newer.num_computed == 0
     assert older.num_output > newer.num_output  # the newer one stopped growing when it was preempted
     for _ in range(40):
-        if older.result.finished and newer.result.finished:
+        if _result(older).finished and _result(newer).finished:
             break
         _step(scheduler)
-    assert older.result.finish_reason == newer.result.finish_reason == "length"
-    assert older.result.token_ids == newer.result.token_ids == [42] * 20  # the preempted one lost no token
+    assert _result(older).finish_reason == _result(newer).finish_reason == "length"
+    assert _result(older).token_ids == _result(newer).token_ids == [42] * 20  # the preempted one lost no token
     assert scheduler.cache.usage().free == 8
 
 
@@ -111,7 +121,7 @@ def test_a_prompt_longer_than_the_cache_can_hold_ends_with_length_at_admission(t
     too_long = _task(tokenizer, 1, [5] * (scheduler.cache.max_task_tokens + 1))
     scheduler.add([too_long])
     assert scheduler.schedule() is None
-    assert too_long.result.finish_reason == "length" and too_long.result.token_ids == []
+    assert _result(too_long).finish_reason == "length" and _result(too_long).token_ids == []
 
 
 def test_a_second_prompt_with_the_same_pages_is_admitted_with_them_cached(tokenizer: Tokenizer) -> None:
@@ -120,11 +130,11 @@ def test_a_second_prompt_with_the_same_pages_is_admitted_with_them_cached(tokeni
     first = _task(tokenizer, 1, prompt, max_tokens=1)
     scheduler.add([first])
     _step(scheduler)
-    assert first.result.finish_reason == "length" and first.result.cached_tokens == 0
+    assert _result(first).finish_reason == "length" and _result(first).cached_tokens == 0
     second = _task(tokenizer, 2, prompt, max_tokens=1)
     scheduler.add([second])
     assert _spans(scheduler.schedule()) == [(2, 12, 1)]  # only the token after the cached pages runs
-    assert second.result.cached_tokens == 12
+    assert second.cached_tokens == 12
     assert scheduler.stats.prefix_cache_queried_tokens == 26 and scheduler.stats.prefix_cache_hit_tokens == 12
 
 
@@ -134,9 +144,9 @@ def test_cancelling_and_cancel_all_give_every_page_back(tokenizer: Tokenizer) ->
     scheduler.add(tasks)
     _step(scheduler)
     scheduler.cancel({1})
-    assert tasks[0].result.finish_reason == "cancelled" and [t.task_id for t in scheduler.running] == [2]
+    assert _result(tasks[0]).finish_reason == "cancelled" and [t.task_id for t in scheduler.running] == [2]
     late = _task(tokenizer, 4, [4] * 5)
     scheduler.cancel_all(also=[late])
-    assert [t.result.finish_reason for t in [*tasks, late]] == ["cancelled"] * 4
+    assert [_result(t).finish_reason for t in [*tasks, late]] == ["cancelled"] * 4
     assert not scheduler.running and not scheduler.waiting
     assert scheduler.cache.usage().free == 32

@@ -11,9 +11,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# The KV tiers a node's Ray actors hold, reached from inside the engine's process, and the bench that starts
-# a two-raylet cluster to time them: the engine layer's one tie to Ray, not yet moved behind deployments/.
-RAY_OUTSIDE_DEPLOYMENTS = {"serve_app/kv/tiers/node_store.py", "serve_app/kv/tiers/ray_stores.py", "serve_app/bench/tiers_bench.py"}
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -32,7 +29,7 @@ def test_no_module_outside_deployments_imports_ray() -> None:
         for path in (ROOT / "serve_app").rglob("*.py")
         if any(module == "ray" or module.startswith("ray.") for module in _imported_modules(path))
     }
-    assert importing == RAY_OUTSIDE_DEPLOYMENTS
+    assert importing == set()
 
 
 @pytest.mark.parametrize("module", [

@@ -27,6 +27,6 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from serve_app.bench.tiers_bench import main
+    from deployments.kv_tiers.bench import main  # it starts a Ray cluster: Ray is deployments/' business
 
     main(args)

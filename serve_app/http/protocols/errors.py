@@ -8,6 +8,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
+from serve_app.engine.io import RequestRefused
+
 Body = TypeVar("Body", bound=BaseModel)
 
 ErrorKind = Literal[
@@ -37,6 +39,9 @@ STATUS = {
 # Errors a client should retry after a pause (their answers carry `Retry-After`).
 RETRY_LATER = frozenset({"rate_limit", "not_ready", "overloaded"})
 
+# Engine fields that clients name otherwise: an adapter is named in the request's `model`.
+_CLIENT_NAMES = {"lora": "model"}
+
 
 class ProtocolError(Exception):
     """What went wrong, which field it concerns (`param`) and which HTTP status answers it."""
@@ -47,6 +52,13 @@ class ProtocolError(Exception):
         self.message = message
         self.param = param
         self.status = status or STATUS[kind]
+
+    @classmethod
+    def of(cls, refused: RequestRefused) -> ProtocolError:
+        """The engine's refusal as the client sees it: the one place a refusal becomes a protocol's error (a
+        field named as the client knows it)."""
+        param = _CLIENT_NAMES.get(refused.param or "", refused.param)
+        return cls(refused.kind, f"{param}: {refused.message}" if param else refused.message, param)
 
 
 class ErrorFormat:

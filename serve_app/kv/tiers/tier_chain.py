@@ -7,6 +7,9 @@ needed again), so a slow disk never holds up the engine. Up: a prompt whose page
 pool is read by a loader thread from the first tier holding each run (host, disk, then other nodes'
 hosts) while the scheduler runs other requests' steps; the scheduler then copies the pages in. Any
 failure of a tier is a miss: the tokens are recomputed.
+
+The tiers Ray holds (host, cluster) are built by what the engine was handed (`RayTiers`): Ray is the
+business of `deployments/` (`deployments.kv_tiers.ray_stores.ray_tiers`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from serve_app.kv.tiers.store import PageSource, PageStore, StoreUsage
 
 logger = logging.getLogger(__name__)
 
+# Builds the tiers a config keeps in a Ray cluster: (stores written to, sources only read).
+RayTiers = Callable[[KVTiersConfig], tuple[list[PageStore], list[PageSource]]]
+
 # Bytes of pages waiting for the writer at most; a batch past it is dropped.
 WRITE_QUEUE_BYTES = 512 * 2**20
 LOADER_THREADS = 2
@@ -38,10 +44,16 @@ class TierChain:
     """The tiers of one engine (`stores` are written to; `sources`, the stores then the cluster, are read
     in that order), its writer thread and its loader threads."""
 
-    def __init__(self, config: KVTiersConfig, layout: bytes, on_loaded: Callable[[LoadedPages], None]) -> None:
+    def __init__(
+        self,
+        config: KVTiersConfig,
+        layout: bytes,
+        on_loaded: Callable[[LoadedPages], None],
+        ray_tiers: RayTiers | None = None,
+    ) -> None:
         self.layout = layout
         self._on_loaded = on_loaded
-        self.stores, self.sources = _tiers(config)
+        self.stores, self.sources = _tiers(config, ray_tiers)
         self.writes_dropped = 0
         self.load_failures = 0
         self._queued_bytes = 0
@@ -137,18 +149,16 @@ class TierChain:
         self._loaders.shutdown(wait=False, cancel_futures=False)
 
 
-def _tiers(config: KVTiersConfig) -> tuple[list[PageStore], list[PageSource]]:
+def _tiers(config: KVTiersConfig, ray_tiers: RayTiers | None) -> tuple[list[PageStore], list[PageSource]]:
     stores: list[PageStore] = []
     others: list[PageSource] = []
     if config.needs_ray:
-        # Ray only where a tier needs it: an engine without these never connects to a cluster.
-        from serve_app.kv.tiers.ray_stores import ClusterStore, HostStore, connect
-
-        node_id = connect(config.ray_address, config.node_id)
-        if config.host_bytes is not None:
-            stores.append(HostStore(node_id, int(config.host_bytes)))
-        if config.cluster:
-            others.append(ClusterStore(node_id))
+        if ray_tiers is None:
+            raise ValueError(
+                "kv_tiers: host_bytes and cluster keep pages in a Ray cluster: serve the engine with serve run, or "
+                "hand an engine in process the Ray tiers (ray_tiers=deployments.kv_tiers.ray_stores.ray_tiers)"
+            )
+        stores, others = ray_tiers(config)
     if config.disk_path is not None:
         stores.append(DiskStore(Path(config.disk_path), int(config.disk_bytes)))
     return stores, [*stores, *others]

@@ -6,7 +6,7 @@ each with a node page store of its own. An engine "on the first node" computes e
 then asks again while its pages are in its pool (pool). A fresh engine on that node reads them from the
 node's store (host: as a restarted replica would), one with the disk tier only from the page files
 (disk), and one "on the second node" from the first node's store through Ray's object manager (cluster).
-Every engine runs in this process, told its node by `kv_tiers.node_id`.
+Every engine runs in this process, told its node by `kv_tiers.node_id` and handed the Ray tiers.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
+from deployments.kv_tiers.ray_stores import ray_tiers
 from serve_app.bench.idle import wait_idle
 from serve_app.bench.prompts import long_passage
 from serve_app.bench.stats import dict_table, percentile
@@ -50,7 +51,7 @@ def _ask(document: str, question: str, max_tokens: int) -> GenerateRequest:
 
 @contextmanager
 def _engine(model: str, cache_tokens: int, **tiers: object) -> Iterator[InferenceEngine]:
-    engine = InferenceEngine(model=model, cache_tokens=cache_tokens, max_model_len=8192, kv_tiers=tiers)
+    engine = InferenceEngine(model=model, cache_tokens=cache_tokens, max_model_len=8192, kv_tiers=tiers, ray_tiers=ray_tiers)
     try:
         yield engine
     finally:

@@ -1,5 +1,7 @@
 """The tiers reached through Ray: `HostStore`, this node's `NodePageStore`, and `ClusterStore`, the
-stores of the other nodes (the one holding the longest run of a prompt's pages is read)."""
+stores of the other nodes (the one holding the longest run of a prompt's pages is read). `ray_tiers` is
+what an engine is handed to build them (`InferenceEngine(ray_tiers=...)`; the engine deployment's
+process does so)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import ray
 
-from serve_app.kv.tiers.node_store import NAMESPACE, node_store, store_name
+from deployments.kv_tiers.node_store import NAMESPACE, node_store, store_name
+from serve_app.config import KVTiersConfig
 from serve_app.kv.tiers.pages import PageKey
 from serve_app.kv.tiers.store import PageSource, PageStore, StoreUsage
 
@@ -21,6 +24,14 @@ CALL_TIMEOUT_S = 30.0
 USAGE_EVERY_S = 1.0
 # How long the cluster tier trusts its list of other nodes' stores.
 NODES_TTL_S = 10.0
+
+
+def ray_tiers(config: KVTiersConfig) -> tuple[list[PageStore], list[PageSource]]:
+    """The host tier (a store) and the cluster tier (read only) that `config` asks for, on its Ray cluster."""
+    node_id = connect(config.ray_address, config.node_id)
+    stores: list[PageStore] = [HostStore(node_id, int(config.host_bytes))] if config.host_bytes is not None else []
+    others: list[PageSource] = [ClusterStore(node_id)] if config.cluster else []
+    return stores, others
 
 
 def connect(address: str | None, node_id: str | None) -> str:
