@@ -50,7 +50,7 @@ def role_of(cmdline: list[str], name: str) -> str:
     """A short name for a process from its command line: Ray's worker titles, the dashboard's heads,
     Ray's binaries and scripts, the engine's own process."""
     text = " ".join(cmdline) or name
-    if "serve_app.engine.child" in text:
+    if "serve_app.engine.child" in text or "deployments.engine_child" in text:  # in process, or a replica's
         return "engine process"
     if match := re.match(r"ray::(\S+)", text):
         return match.group(1).removeprefix("ServeReplica:")

@@ -58,7 +58,7 @@ def test_killed_engine_replica_fails_streams_then_comes_back(served: ServeRun) -
             events.append(json.loads(line[6:]))
             if len(events) == 3 and not killed:
                 replica = psutil.Process(engine_replica_pid(served.process.pid))
-                engine_processes = [p for p in replica.children() if "serve_app.engine.child" in " ".join(p.cmdline())]
+                engine_processes = [p for p in replica.children() if "deployments.engine_child" in " ".join(p.cmdline())]
                 os.kill(replica.pid, signal.SIGKILL)
                 killed = True
     assert killed and "error" in events[-1], events[-3:]

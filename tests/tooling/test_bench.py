@@ -166,6 +166,7 @@ def test_process_cpu_names_each_process_and_charges_it_per_token() -> None:
     assert role_of(["ray::ServeReplica:llm:Ingress"], "python") == "llm:Ingress"
     assert role_of(["ray::ServeController.listen_for_change"], "python") == "ServeController.listen_for_change"
     assert role_of(["/v/bin/python3", "-m", "serve_app.engine.child", "57", "59"], "python3") == "engine process"
+    assert role_of(["/v/bin/python3", "-m", "deployments.engine_child", "57", "59"], "python3") == "engine process"
     assert role_of(["ray-dashboard-NodeHead-0 (/v/bin/python3 -c x)"], "python3") == "dashboard NodeHead"
     assert role_of(["/v/ray/core/src/ray/raylet/raylet", "--raylet_socket_name=x"], "raylet") == "raylet"
     assert role_of(["/v/bin/python3", "-u", "/v/ray/_private/log_monitor.py", "--x"], "python3") == "log_monitor.py"
