@@ -109,7 +109,7 @@ def test_both_apis_render_tools_and_history_through_the_template(hermes: Inferen
     info = ModelInfo(MODEL, 1024, 0, "hermes")
     chat = ChatCompletionsBuilder().prepare(
         {"model": MODEL, "messages": HISTORY, "tools": [WEATHER], "max_tokens": 8}, info
-    ).requests[0]
+    ).prepared.requests[0]
     claude = MessagesBuilder().prepare(
         {
             "model": MODEL, "max_tokens": 8, "system": "Be brief.",
@@ -126,7 +126,7 @@ def test_both_apis_render_tools_and_history_through_the_template(hermes: Inferen
             ],
         },
         info,
-    ).requests[0]
+    ).prepared.requests[0]
     text = hermes.tokenizer.apply_chat_template(chat.messages, tools=chat.tools)
     assert "<tools>" in text and '"name": "get_weather"' in text and "Be brief." in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in text

@@ -108,7 +108,7 @@ def _forced_request(engine: InferenceEngine, max_tokens: int) -> GenerateRequest
     tools = [{"type": "function", "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": PARAMETERS}}]
     body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "tools": tools, "tool_choice": "required",
             "max_tokens": max_tokens, "temperature": 0}
-    return ChatCompletionsBuilder().prepare(body, ModelInfo(MODEL, 2048, 0, "generic")).requests[0]
+    return ChatCompletionsBuilder().prepare(body, ModelInfo(MODEL, 2048, 0, "generic")).prepared.requests[0]
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,7 @@ def test_calls_under_auto_hold_to_their_schemas(api: str, engine: InferenceEngin
         "responses": ({"input": QUESTION, "tools": [{"type": "function", "name": "get_weather", "parameters": PARAMETERS}],
                        "tool_choice": "auto"}, ResponsesBuilder()),
     }[api]
-    request = builder.prepare({"model": MODEL, **body}, info).requests[0]
+    request = builder.prepare({"model": MODEL, **body}, info).prepared.requests[0]
     assert request.structured_output is not None
     matcher = engine.grammars.matcher(request.structured_output)
     assert matcher.accept_string(CALL + '{"city": "Paris"}}]}')

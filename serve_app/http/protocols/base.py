@@ -1,4 +1,5 @@
-"""The protocol strategy: a `ResponseBuilder` per API, and `ProtocolHandler` to run one request with it."""
+"""The protocol strategy: a `ResponseBuilder` per API reads a request and makes its `ResponseFormatter` (the
+answer's shape and the state it keeps as it streams); `ProtocolHandler` runs one request with them."""
 
 from __future__ import annotations
 
@@ -32,11 +33,30 @@ def sse(data: Any, event: str | None = None) -> str:
     return f"event: {event}\ndata: {payload}\n\n" if event else f"data: {payload}\n\n"
 
 
-Answered = Callable[[], Awaitable[None]]
+class ResponseFormatter(ABC):
+    """One request's answer in its API's shape: its events as the choices stream, or its whole body. Made by
+    the builder's `prepare` for each request, it keeps what the answer needs as it goes, typed by the API."""
+
+    def __init__(self, prepared: PreparedRequest) -> None:
+        self.prepared = prepared
+
+    @abstractmethod
+    def stream_start(self, choices: Sequence[Choice]) -> list[str]:
+        """Events before the first text (the first delta of every choice is already in `choices`)."""
+
+    @abstractmethod
+    def chunk(self, choice: Choice, delta: StreamDelta) -> list[str]:
+        """The events one delta of `choice` makes (`choice` has it already)."""
+
+    @abstractmethod
+    def stream_end(self, choices: Sequence[Choice]) -> list[str]: ...
+
+    @abstractmethod
+    def response(self, choices: Sequence[Choice]) -> dict[str, Any]: ...
 
 
 class ResponseBuilder(ABC):
-    """One API's request parsing and response shapes. Adding a protocol is one builder."""
+    """One API's request parsing and error shape. Adding a protocol is one builder and its formatter."""
 
     errors: ErrorFormat  # how this API writes an error
     # The names this API gives its stop sequences, its output-token limit and its conversation, for errors.
@@ -45,22 +65,12 @@ class ResponseBuilder(ABC):
     messages_param = "messages"
 
     @abstractmethod
-    def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
-        """Validate the JSON body; raise ProtocolError naming the field on bad input."""
+    def prepare(self, body: Any, model: ModelInfo) -> ResponseFormatter:
+        """Validate the JSON body (ProtocolError naming the field on bad input); the request's formatter."""
 
-    @abstractmethod
-    def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
-        """Events before the first text (the first delta of every choice is already in `choices`)."""
 
-    @abstractmethod
-    def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]: ...
-
-    @abstractmethod
-    def format_stream_end(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]: ...
-
-    @abstractmethod
-    def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]: ...
-
+# Runs once the answer is whole (given its formatter), before the client has all of it.
+Answered = Callable[[ResponseFormatter], Awaitable[None]]
 
 
 class RequestObserver(ABC):
@@ -97,10 +107,11 @@ class ProtocolHandler:
                 raise ProtocolError("not_ready", "Engine not initialized")
             info = await self.engine.model_info()
             self.model_name = info.id
-            prepared = self.builder.prepare(body, info)
+            formatter = self.builder.prepare(body, info)
+            prepared = formatter.prepared
             if limits is not None:
                 builder = self.builder
-                prepared = limits.apply(prepared, builder.stop_param, builder.max_tokens_param, builder.messages_param)
+                limits.apply(prepared, builder.stop_param, builder.max_tokens_param, builder.messages_param)
             salts = [cache_salt(r.cache_salt) if cache_salt is not None else r.cache_salt or "" for r in prepared.requests]
             encoded = await self.engine.prompts.encode(prepared.requests, salts, tracing.carrier(self.span))
             streams = [_TimedStream(self.engine.stream(r)) for r in encoded]
@@ -117,7 +128,7 @@ class ProtocolHandler:
         for choice, first in zip(choices, firsts):
             choice.add(first)
         if prepared.stream:
-            events = self._events(prepared, streams, choices, firsts, answered)
+            events = self._events(formatter, streams, choices, firsts, answered)
             return ClosingStreamingResponse(events, [lambda: self._finish(streams, choices)])
         try:
             await _drain(streams, choices)
@@ -126,40 +137,39 @@ class ProtocolHandler:
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
             return self.builder.errors.response(ProtocolError("internal", failed.error or "generation failed"))
-        response = self.builder.format_response(prepared, choices)
+        response = formatter.response(choices)
         if answered is not None:
-            await answered()
+            await answered(formatter)
         return JSONResponse(response)
 
     async def _events(
         self,
-        prepared: PreparedRequest,
+        formatter: ResponseFormatter,
         streams: list[_TimedStream],
         choices: list[Choice],
         firsts: list[StreamDelta],
         answered: Answered | None,
     ) -> AsyncIterator[str]:
         """The stream's events; its engine streams are closed by the response (`_finish`), however it ends."""
-        builder = self.builder
-        for event in builder.format_stream_start(prepared, choices):
+        for event in formatter.stream_start(choices):
             yield event
         for choice, first in zip(choices, firsts):
-            for event in builder.format_chunk(prepared, choice, first):
+            for event in formatter.chunk(choice, first):
                 yield event
         async for index, delta in _merged(streams, choices):
             choice = choices[index]
             choice.add(delta)
-            for event in builder.format_chunk(prepared, choice, delta):
+            for event in formatter.chunk(choice, delta):
                 yield event
-        end = builder.format_stream_end(prepared, choices)
+        end = formatter.stream_end(choices)
         if answered is not None:
             try:
-                await answered()
+                await answered(formatter)
             except Exception:  # e.g. the response store gone: the stream ends in the protocol's error
                 logger.exception("a streamed answer was built but what follows it failed")
                 for choice in choices:
                     choice.finish_reason, choice.error = "error", "the answer was built but could not be kept"
-                end = builder.format_stream_end(prepared, choices)
+                end = formatter.stream_end(choices)
         for event in end:
             yield event
 

@@ -35,10 +35,10 @@ class RequestLimits:
         stop_param: str = "stop",
         max_tokens_param: str = "max_tokens",
         messages_param: str = "messages",
-    ) -> PreparedRequest:
+    ) -> None:
         """Check `prepared` against the limits (each error naming the field as the protocol calls it); a
         request without `max_tokens` gets `max_output_tokens`, and a JSON or tool-call answer's constrained
-        part `max_constrained_tokens`."""
+        part `max_constrained_tokens` (its requests are replaced so)."""
         if prepared.choices_per_prompt > self.max_n:
             raise invalid(f"n: {prepared.choices_per_prompt} choices are over max_n={self.max_n}", "n")
         first = prepared.requests[0]
@@ -64,12 +64,11 @@ class RequestLimits:
             bound = {"max_constrained_tokens": self.max_constrained_tokens}
             prepared.requests = [r.model_copy(update=bound) for r in prepared.requests]
         if self.max_output_tokens is None:
-            return prepared
+            return
         if asked is not None and asked > self.max_output_tokens:
             raise invalid(
                 f"{max_tokens_param}: {asked} is over max_output_tokens={self.max_output_tokens}", max_tokens_param
             )
         if asked is None:
             prepared.requests = [r.model_copy(update={"max_tokens": self.max_output_tokens}) for r in prepared.requests]
-        return prepared
 

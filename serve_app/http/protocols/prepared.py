@@ -1,5 +1,5 @@
-"""What a protocol's builder makes of a request (`PreparedRequest`: the engine requests, one per choice, and how
-to answer), and each choice's output as it accumulates (`Choice`)."""
+"""What a protocol's builder makes of a request (`PreparedRequest`: the engine requests, one per choice, and what
+every API's answer carries), and each choice's output as it accumulates (`Choice`)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,20 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from serve_app.engine.io import GenerateRequest, StreamDelta, TokenLogprob, Usage
 
 
 @dataclass
 class PreparedRequest:
-    """A validated protocol request: the engine requests (one per choice) and how to answer."""
+    """A validated protocol request: the engine requests (one per choice) and what every answer needs; what one
+    API's answer needs besides is its formatter's."""
 
     requests: list[GenerateRequest]
     stream: bool
     model: str
     choices_per_prompt: int = 1
     include_usage: bool = False
-    options: dict[str, Any] = field(default_factory=dict)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 

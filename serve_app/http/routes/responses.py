@@ -9,7 +9,8 @@ from starlette.responses import JSONResponse, Response
 from serve_app.http.body import read_json
 from serve_app.http.context import ServerContext, context_of
 from serve_app.http.protocols.errors import ProtocolError
-from serve_app.http.protocols.responses import ResponsesBuilder
+from serve_app.http.protocols.base import ResponseFormatter
+from serve_app.http.protocols.responses import ResponsesBuilder, ResponsesFormatter
 from serve_app.http.response_store import StoredResponse
 from serve_app.http.routes.answering import answers_in
 from serve_app.http.routes.generation import generate
@@ -27,14 +28,14 @@ async def create_response(request: Request) -> Response:
     body = await read_json(request, context.config.max_request_bytes)
     previous_id = body.get("previous_response_id") if isinstance(body, dict) else None
     previous = await _stored(context, tenant, previous_id, "previous_response_id") if isinstance(previous_id, str) else None
-    builder = ResponsesBuilder(previous)
     keep = not isinstance(body, dict) or body.get("store") is not False
 
-    async def store() -> None:
-        if keep and builder.finished is not None and context.config.max_stored_responses > 0:
-            await context.responses.put(tenant.id, builder.finished)
+    async def store(answer: ResponseFormatter) -> None:
+        assert isinstance(answer, ResponsesFormatter)
+        if keep and answer.finished is not None and context.config.max_stored_responses > 0:
+            await context.responses.put(tenant.id, answer.finished)
 
-    return await generate(context, tenant, builder, body, answered=store)
+    return await generate(context, tenant, ResponsesBuilder(previous), body, answered=store)
 
 
 @router.get("/v1/responses/{response_id}")

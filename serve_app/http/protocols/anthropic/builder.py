@@ -1,5 +1,5 @@
-"""The Messages builder: message objects and the streamed events (content blocks as they are written); Anthropic's
-error shape, with 529 for an overload."""
+"""The Messages builder and its formatter: message objects and the streamed events (content blocks as they are
+written); Anthropic's error shape, with 529 for an overload."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput, Usage
 from serve_app.http.protocols.anthropic.schema import MessagesRequest, parse
-from serve_app.http.protocols.base import ResponseBuilder, sse
+from serve_app.http.protocols.base import ResponseBuilder, ResponseFormatter, sse
 from serve_app.http.protocols.errors import ErrorFormat, ProtocolError
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.served_models import adapter_of
@@ -123,7 +123,7 @@ class MessagesBuilder(ResponseBuilder):
     errors = ERRORS
     stop_param = "stop_sequences"
 
-    def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
+    def prepare(self, body: Any, model: ModelInfo) -> MessagesFormatter:
         req: MessagesRequest = parse(MessagesRequest, body, model)
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         prompt = req.prompt(tools, tool_plan)
@@ -138,10 +138,19 @@ class MessagesBuilder(ResponseBuilder):
             lora=adapter_of(model, req.model),
         )
         constraint = request.structured_output
-        options = {"blocks": _BlockStream(constraint) if tool_plan is not None and constraint else None}  # a tool-mode answer's
-        return PreparedRequest(requests=[request], stream=req.stream, model=req.model, options=options)
+        blocks = _BlockStream(constraint) if tool_plan is not None and constraint else None
+        return MessagesFormatter(PreparedRequest(requests=[request], stream=req.stream, model=req.model), blocks)
 
-    def _message(self, prepared: PreparedRequest, content: list[dict[str, Any]], choice: Choice, final: bool) -> dict[str, Any]:
+
+class MessagesFormatter(ResponseFormatter):
+    """A message: its streamed events (`message_start` ... `message_stop`), or the whole message."""
+
+    def __init__(self, prepared: PreparedRequest, blocks: _BlockStream | None) -> None:
+        super().__init__(prepared)
+        self.blocks = blocks  # a tool-mode answer's content blocks, opened as it reaches them
+
+    def _message(self, content: list[dict[str, Any]], choice: Choice, final: bool) -> dict[str, Any]:
+        prepared = self.prepared
         usage = total_usage(prepared, [choice])
         return {
             "id": f"msg_{prepared.id}",
@@ -154,20 +163,19 @@ class MessagesBuilder(ResponseBuilder):
             "usage": _usage_json(usage),
         }
 
-    def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
-        start = self._message(prepared, [], choices[0], final=False)
+    def stream_start(self, choices: Sequence[Choice]) -> list[str]:
+        start = self._message([], choices[0], final=False)
         start["usage"]["output_tokens"] = 0
         events = [sse({"type": "message_start", "message": start}, "message_start")]
-        if prepared.options["blocks"] is None:  # a tool-mode answer opens its blocks as it reaches them
+        if self.blocks is None:  # a tool-mode answer opens its blocks as it reaches them
             events.append(_block_start(0, {"type": "text", "text": ""}))
         return [*events, sse({"type": "ping"}, "ping")]
 
-    def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
-        blocks: _BlockStream | None = prepared.options["blocks"]
-        if blocks is not None:
+    def chunk(self, choice: Choice, delta: StreamDelta) -> list[str]:
+        if self.blocks is not None:
             if delta.finish_reason == "error":
                 return []
-            return blocks.update(delta.text, choice if delta.finish_reason is not None else None)
+            return self.blocks.update(delta.text, choice if delta.finish_reason is not None else None)
         if not delta.text:
             return []
         return [
@@ -177,14 +185,13 @@ class MessagesBuilder(ResponseBuilder):
             )
         ]
 
-    def format_stream_end(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+    def stream_end(self, choices: Sequence[Choice]) -> list[str]:
         choice = choices[0]
         if choice.finish_reason == "error":
             return [sse(anthropic_error(ProtocolError("internal", choice.error or "generation failed")), "error")]
-        blocks: _BlockStream | None = prepared.options["blocks"]
-        if blocks is not None:
-            events = blocks.close()
-            stop_reason = "tool_use" if blocks.answer.called and choice.complete else _stop_reason(choice)
+        if self.blocks is not None:
+            events = self.blocks.close()
+            stop_reason = "tool_use" if self.blocks.answer.called and choice.complete else _stop_reason(choice)
         else:
             events, stop_reason = [sse({"type": "content_block_stop", "index": 0}, "content_block_stop")], _stop_reason(choice)
         return [
@@ -200,10 +207,9 @@ class MessagesBuilder(ResponseBuilder):
             sse({"type": "message_stop"}, "message_stop"),
         ]
 
-    def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
+    def response(self, choices: Sequence[Choice]) -> dict[str, Any]:
         choice = choices[0]
-        stream: _BlockStream | None = prepared.options["blocks"]
-        if stream is None:
-            return self._message(prepared, [{"type": "text", "text": choice.text}], choice, final=True)
-        blocks, stop_reason = _tool_blocks(stream.constraint, choice)
-        return {**self._message(prepared, blocks, choice, final=True), "stop_reason": stop_reason}
+        if self.blocks is None:
+            return self._message([{"type": "text", "text": choice.text}], choice, final=True)
+        blocks, stop_reason = _tool_blocks(self.blocks.constraint, choice)
+        return {**self._message(blocks, choice, final=True), "stop_reason": stop_reason}

@@ -1,4 +1,5 @@
-"""The OpenAI builders: chat completions and legacy completions, streamed and not; OpenAI's error shape."""
+"""The OpenAI builders and their formatters: chat completions and legacy completions, streamed and not; OpenAI's
+error shape."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, StreamDelta, StructuredOutput, TokenLogprob, Usage
-from serve_app.http.protocols.base import ResponseBuilder, sse
+from serve_app.http.protocols.base import ResponseBuilder, ResponseFormatter, sse
 from serve_app.http.protocols.errors import ErrorFormat, ProtocolError, invalid, refuse_fields, validate_body
 from serve_app.http.protocols.openai.schema import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, SamplingFields
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
@@ -53,9 +54,7 @@ def _usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _prepared(
-    req: SamplingFields, requests: list[GenerateRequest], logprobs: bool, token_ids: bool = False
-) -> PreparedRequest:
+def _prepared(req: SamplingFields, requests: list[GenerateRequest]) -> PreparedRequest:
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options: only allowed when stream is true", "stream_options")
     return PreparedRequest(
@@ -64,7 +63,6 @@ def _prepared(
         model=req.model,
         choices_per_prompt=req.n,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        options={"logprobs": logprobs, "token_ids": token_ids},
     )
 
 
@@ -86,16 +84,20 @@ def _finish_reason(choice: Choice) -> str | None:
     return choice.finish_reason if choice.finish_reason in (None, "stop", "length") else "stop"
 
 
-class _OpenAIBuilder(ResponseBuilder):
-    """What both OpenAI routes share: errors, usage chunks, the closing `[DONE]`."""
+class _OpenAIFormatter(ResponseFormatter):
+    """What both OpenAI routes' answers share: usage chunks, the closing `[DONE]`, the whole body's frame."""
 
-    errors = ERRORS
     object_chunk: str
     id_prefix: str
 
-    def _chunk(self, prepared: PreparedRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def __init__(self, prepared: PreparedRequest, logprobs: bool) -> None:
+        super().__init__(prepared)
+        self.logprobs = logprobs  # the client asked for them
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        prepared = self.prepared
         chunk = {
-            "id": self._id(prepared),
+            "id": self._id(),
             "object": self.object_chunk,
             "created": prepared.created,
             "model": prepared.model,
@@ -105,41 +107,38 @@ class _OpenAIBuilder(ResponseBuilder):
             chunk["usage"] = None
         return chunk
 
-    def format_stream_end(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+    def stream_end(self, choices: Sequence[Choice]) -> list[str]:
         events = []
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
             events.append(sse(openai_error(ProtocolError("internal", failed.error or "generation failed"))))
-        elif prepared.include_usage:
-            chunk = self._chunk(prepared, [])
-            chunk["usage"] = _usage_json(total_usage(prepared, choices))
+        elif self.prepared.include_usage:
+            chunk = self._chunk([])
+            chunk["usage"] = _usage_json(total_usage(self.prepared, choices))
             events.append(sse(chunk))
         events.append(sse("[DONE]"))
         return events
 
-    def _id(self, prepared: PreparedRequest) -> str:
-        return self.id_prefix + prepared.id
+    def _id(self) -> str:
+        return self.id_prefix + self.prepared.id
 
     @abstractmethod
-    def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None: ...
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None: ...
 
     def _response(
-        self,
-        prepared: PreparedRequest,
-        object_name: str,
-        choices: Sequence[Choice],
-        content: Callable[[Choice], dict[str, Any]],
+        self, object_name: str, choices: Sequence[Choice], content: Callable[[Choice], dict[str, Any]]
     ) -> dict[str, Any]:
         """The non-streaming body: each choice's `content` fields (which may set its finish reason) and logprobs."""
+        prepared = self.prepared
         return {
-            "id": self._id(prepared),
+            "id": self._id(),
             "object": object_name,
             "created": prepared.created,
             "model": prepared.model,
             "choices": [
                 {
                     "index": c.index,
-                    "logprobs": self._logprobs(prepared, c.logprobs),
+                    "logprobs": self._logprobs(c.logprobs),
                     "finish_reason": _finish_reason(c),
                     **content(c),
                 }
@@ -149,13 +148,12 @@ class _OpenAIBuilder(ResponseBuilder):
         }
 
 
-class ChatCompletionsBuilder(_OpenAIBuilder):
+class ChatCompletionsBuilder(ResponseBuilder):
     """`POST /v1/chat/completions`."""
 
-    object_chunk = "chat.completion.chunk"
-    id_prefix = "chatcmpl-"
+    errors = ERRORS
 
-    def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
+    def prepare(self, body: Any, model: ModelInfo) -> ChatFormatter:
         refuse_fields(body, UNSUPPORTED)
         req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
         lora = adapter_of(model, req.model)
@@ -171,13 +169,23 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
             )
             for choice in range(req.n)
         ]
-        prepared = _prepared(req, requests, logprobs=req.logprobs)
-        prepared.options["tools"] = constraint if tool_plan is not None else None  # a tool-mode answer's grammar
-        prepared.options["tool_streams"] = {}
-        return prepared
+        tool_answer = constraint if tool_plan is not None else None
+        return ChatFormatter(_prepared(req, requests), req.logprobs, tool_answer)
 
-    def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
-        if not prepared.options["logprobs"]:
+
+class ChatFormatter(_OpenAIFormatter):
+    """A chat completion: `chat.completion` chunks, or the whole `chat.completion`."""
+
+    object_chunk = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, prepared: PreparedRequest, logprobs: bool, tools: StructuredOutput | None) -> None:
+        super().__init__(prepared, logprobs)
+        self.tools = tools  # a tool-mode answer's grammar
+        self.tool_streams: dict[int, ToolStream] = {}  # a tool-mode answer's reading, per choice, as it streams
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.logprobs:
             return None
         return {
             "content": [
@@ -194,11 +202,10 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
             ]
         }
 
-    def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+    def stream_start(self, choices: Sequence[Choice]) -> list[str]:
         return [
             sse(
                 self._chunk(
-                    prepared,
                     [
                         {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                         for c in choices
@@ -207,20 +214,19 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
             )
         ]
 
-    def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
-        if prepared.options["tools"]:
-            return self._tool_chunks(prepared, choice, delta)
+    def chunk(self, choice: Choice, delta: StreamDelta) -> list[str]:
+        if self.tools is not None:
+            return self._tool_chunks(self.tools, choice, delta)
         events = []
-        if delta.text or delta.logprobs and prepared.options["logprobs"]:
+        if delta.text or delta.logprobs and self.logprobs:
             events.append(
                 sse(
                     self._chunk(
-                        prepared,
                         [
                             {
                                 "index": choice.index,
                                 "delta": {"content": delta.text},
-                                "logprobs": self._logprobs(prepared, delta.logprobs),
+                                "logprobs": self._logprobs(delta.logprobs),
                                 "finish_reason": None,
                             }
                         ],
@@ -229,37 +235,28 @@ class ChatCompletionsBuilder(_OpenAIBuilder):
             )
         if delta.finish_reason is not None and delta.finish_reason != "error":
             events.append(
-                sse(
-                    self._chunk(
-                        prepared,
-                        [{"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(choice)}],
-                    )
-                )
+                sse(self._chunk([{"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(choice)}]))
             )
         return events
 
-    def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
-        if prepared.options["tools"]:
-            return self._response(
-                prepared, "chat.completion", choices, lambda c: _tool_message(prepared.options["tools"], c)
-            )
-        return self._response(
-            prepared, "chat.completion", choices, lambda c: {"message": {"role": "assistant", "content": c.text}}
-        )
+    def response(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        tools = self.tools
+        if tools is not None:
+            return self._response("chat.completion", choices, lambda c: _tool_message(tools, c))
+        return self._response("chat.completion", choices, lambda c: {"message": {"role": "assistant", "content": c.text}})
 
-    def _tool_chunks(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
+    def _tool_chunks(self, tools: StructuredOutput, choice: Choice, delta: StreamDelta) -> list[str]:
         """A tool-mode choice streams as it is read: its text as content, each whole call's id, type and
         name, then its arguments (as OpenAI streams them)."""
         if delta.finish_reason == "error":
             return []
-        streams: dict[int, ToolStream] = prepared.options["tool_streams"]
-        if choice.index not in streams:
-            streams[choice.index] = ToolStream(tool_answer_reader(prepared.options["tools"]), "call_")
-        stream = streams[choice.index]
+        stream = self.tool_streams.get(choice.index)
+        if stream is None:
+            stream = self.tool_streams[choice.index] = ToolStream(tool_answer_reader(tools), "call_")
 
         def chunk(delta_body: dict[str, Any], finish_reason: str | None = None) -> str:
             body = {"index": choice.index, "delta": delta_body, "logprobs": None, "finish_reason": finish_reason}
-            return sse(self._chunk(prepared, [body]))
+            return sse(self._chunk([body]))
 
         events = [chunk(_tool_delta(event)) for event in stream.feed(delta.text)]
         if delta.finish_reason is not None:
@@ -281,13 +278,12 @@ def _tool_delta(event: ToolStreamEvent) -> dict[str, Any]:
             return {"tool_calls": [{"index": call, "function": {"arguments": text}}]}
 
 
-class CompletionsBuilder(_OpenAIBuilder):
+class CompletionsBuilder(ResponseBuilder):
     """`POST /v1/completions` (legacy): prompts as text or token ids, several per request."""
 
-    object_chunk = "text_completion"
-    id_prefix = "cmpl-"
+    errors = ERRORS
 
-    def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
+    def prepare(self, body: Any, model: ModelInfo) -> CompletionFormatter:
         refuse_fields(body, {**UNSUPPORTED, "response_format": "legacy completions take structured_outputs"})
         req: CompletionRequest = validate_body(CompletionRequest, body)
         lora = adapter_of(model, req.model)
@@ -302,10 +298,21 @@ class CompletionsBuilder(_OpenAIBuilder):
             for prompt in prompts
             for choice in range(req.n)
         ]
-        return _prepared(req, requests, logprobs=req.logprobs is not None, token_ids=req.return_token_ids)
+        return CompletionFormatter(_prepared(req, requests), req.logprobs is not None, req.return_token_ids)
 
-    def _logprobs(self, prepared: PreparedRequest, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
-        if not prepared.options["logprobs"]:
+
+class CompletionFormatter(_OpenAIFormatter):
+    """A legacy completion: `text_completion` chunks, or the whole `text_completion`."""
+
+    object_chunk = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, prepared: PreparedRequest, logprobs: bool, token_ids: bool) -> None:
+        super().__init__(prepared, logprobs)
+        self.token_ids = token_ids  # `return_token_ids`: each choice's token ids with its text
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.logprobs:
             return None
         return {
             "tokens": [lp.token for lp in logprobs],
@@ -314,11 +321,11 @@ class CompletionsBuilder(_OpenAIBuilder):
             "text_offset": [],
         }
 
-    def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+    def stream_start(self, choices: Sequence[Choice]) -> list[str]:
         return []
 
-    def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
-        with_ids = prepared.options["token_ids"]
+    def chunk(self, choice: Choice, delta: StreamDelta) -> list[str]:
+        with_ids = self.token_ids
         if delta.finish_reason == "error":
             return []
         if not (delta.text or delta.finish_reason or delta.logprobs or with_ids and delta.token_ids):
@@ -326,19 +333,17 @@ class CompletionsBuilder(_OpenAIBuilder):
         body: dict[str, Any] = {
             "index": choice.index,
             "text": delta.text,
-            "logprobs": self._logprobs(prepared, delta.logprobs),
+            "logprobs": self._logprobs(delta.logprobs),
             "finish_reason": _finish_reason(choice) if delta.finish_reason is not None else None,
         }
         if with_ids:
             body["token_ids"] = list(delta.token_ids)
-        return [sse(self._chunk(prepared, [body]))]
+        return [sse(self._chunk([body]))]
 
-    def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
-        if prepared.options["token_ids"]:
-            return self._response(
-                prepared, "text_completion", choices, lambda c: {"text": c.text, "token_ids": c.token_ids}
-            )
-        return self._response(prepared, "text_completion", choices, lambda c: {"text": c.text})
+    def response(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        if self.token_ids:
+            return self._response("text_completion", choices, lambda c: {"text": c.text, "token_ids": c.token_ids})
+        return self._response("text_completion", choices, lambda c: {"text": c.text})
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -1,6 +1,6 @@
-"""The Responses builder: response objects with `message` and `function_call` output items, and the streamed event
-sequence (`response.created` ... `response.completed`, each with its `sequence_number`); one builder per
-request."""
+"""The Responses builder and its formatter: response objects with `message` and `function_call` output items, and
+the streamed event sequence (`response.created` ... `response.completed`, each with its `sequence_number`). The
+builder is made per request (it continues `previous`, when given)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput
-from serve_app.http.protocols.base import ResponseBuilder, sse
+from serve_app.http.protocols.base import ResponseBuilder, ResponseFormatter, sse
 from serve_app.http.protocols.errors import ProtocolError, refuse_fields, validate_body
 from serve_app.http.protocols.openai import ERRORS as OPENAI_ERRORS
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
@@ -69,16 +69,8 @@ class ResponsesBuilder(ResponseBuilder):
 
     def __init__(self, previous: StoredResponse | None = None) -> None:
         self.previous = previous
-        self.finished: StoredResponse | None = None  # what was answered, once it is whole
-        self._sequence = 0
-        self._req: ResponsesRequest | None = None
-        self._turns: list[Turn] = []
-        self._constraint: StructuredOutput | None = None  # a tool-mode answer's grammar
-        self._answer: ToolStream | None = None  # a tool-mode answer's events as it streams
-        self._items: list[dict[str, Any]] = []  # the output items streamed so far, the open one last
-        self._closing: list[str] = []  # the events that closed them, once the stream's end is built
 
-    def prepare(self, body: Any, model: ModelInfo) -> PreparedRequest:
+    def prepare(self, body: Any, model: ModelInfo) -> ResponsesFormatter:
         refuse_fields(body, UNSUPPORTED)
         req: ResponsesRequest = validate_body(ResponsesRequest, body)
         lora = adapter_of(model, req.model)
@@ -88,12 +80,10 @@ class ResponsesBuilder(ResponseBuilder):
                 "not_found", f"previous_response_id: no response {req.previous_response_id!r}", "previous_response_id"
             )
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
-        self._req, self._turns = req, req.turns(self.previous.turns if self.previous else ())
+        turns = req.turns(self.previous.turns if self.previous else ())
         system = [Turn("system", req.instructions)] if req.instructions else []
-        prompt = tools.prompt([*system, *self._turns], tool_plan)
+        prompt = tools.prompt([*system, *turns], tool_plan)
         constraint = req.output_constraint(tools, tool_plan)
-        self._constraint = constraint if tool_plan is not None else None
-        self._answer = ToolStream(tool_answer_reader(constraint), "call_") if self._constraint is not None else None
         request = GenerateRequest(
             messages=prompt.messages,
             tools=prompt.tools,
@@ -103,15 +93,31 @@ class ResponsesBuilder(ResponseBuilder):
             max_string_tokens=req.max_string_tokens,
             lora=lora,
         )
-        return PreparedRequest(requests=[request], stream=req.stream, model=req.model)
+        prepared = PreparedRequest(requests=[request], stream=req.stream, model=req.model)
+        return ResponsesFormatter(prepared, req, turns, constraint if tool_plan is not None else None)
+
+
+class ResponsesFormatter(ResponseFormatter):
+    """A response: its streamed events, each output item opened as the answer reaches it and closed as the next
+    opens, or the whole response object; and, once it is whole, what is kept of it (`finished`)."""
+
+    def __init__(
+        self, prepared: PreparedRequest, req: ResponsesRequest, turns: list[Turn], tools: StructuredOutput | None
+    ) -> None:
+        super().__init__(prepared)
+        self.finished: StoredResponse | None = None  # what was answered, once it is whole
+        self._req = req
+        self._turns = turns  # the conversation so far, this request's input last
+        self._constraint = tools  # a tool-mode answer's grammar
+        self._answer = ToolStream(tool_answer_reader(tools), "call_") if tools is not None else None  # its events
+        self._sequence = 0
+        self._items: list[dict[str, Any]] = []  # the output items streamed so far, the open one last
+        self._closing: list[str] = []  # the events that closed them, once the stream's end is built
 
     # The response object.
 
-    def _response(
-        self, prepared: PreparedRequest, status: str, output: list[dict[str, Any]], choice: Choice | None
-    ) -> dict[str, Any]:
-        req = self._req
-        assert req is not None
+    def _response(self, status: str, output: list[dict[str, Any]], choice: Choice | None) -> dict[str, Any]:
+        req, prepared = self._req, self.prepared
         text_format = req.text.format if req.text is not None and req.text.format is not None else None
         tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice or "auto"
         return {
@@ -152,32 +158,32 @@ class ResponsesBuilder(ResponseBuilder):
         items += [_call_item(call) for call in parsed.calls]
         return status, items or [_message_item(_message_id(), "", status)]
 
-    def _finish(self, prepared: PreparedRequest, choice: Choice, status: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+    def _finish(self, choice: Choice, status: str, items: list[dict[str, Any]]) -> dict[str, Any]:
         """The whole response, kept (with the conversation it ends) for `previous_response_id`."""
-        response = self._response(prepared, status, items, choice)
+        response = self._response(status, items, choice)
         text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
         calls = tuple(ToolCall(i["call_id"], i["name"], i["arguments"]) for i in items if i["type"] == "function_call")
         self.finished = StoredResponse(response, (*self._turns, Turn("assistant", text, calls=calls)))
         return response
 
-    def format_response(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> dict[str, Any]:
-        return self._finish(prepared, choices[0], *self._output(choices[0]))
+    def response(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        return self._finish(choices[0], *self._output(choices[0]))
 
-    # The event stream: each output item opens as the answer reaches it and closes as the next opens.
+    # The event stream.
 
     def _event(self, kind: str, **fields: Any) -> str:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return sse(event, kind)
 
-    def format_stream_start(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
-        started = self._response(prepared, "in_progress", [], None)
+    def stream_start(self, choices: Sequence[Choice]) -> list[str]:
+        started = self._response("in_progress", [], None)
         events = [self._event("response.created", response=started), self._event("response.in_progress", response=started)]
         if self._answer is None:
             events += self._open_message()
         return events
 
-    def format_chunk(self, prepared: PreparedRequest, choice: Choice, delta: StreamDelta) -> list[str]:
+    def chunk(self, choice: Choice, delta: StreamDelta) -> list[str]:
         if self._answer is None:
             return self._add_text(delta.text) if delta.text else []
         if delta.finish_reason == "error":
@@ -203,17 +209,17 @@ class ResponsesBuilder(ResponseBuilder):
                     ))
         return events
 
-    def format_stream_end(self, prepared: PreparedRequest, choices: Sequence[Choice]) -> list[str]:
+    def stream_end(self, choices: Sequence[Choice]) -> list[str]:
         choice = choices[0]
         if choice.finish_reason == "error":  # the items closed by an end already built stay closed before it
-            failed = self._response(prepared, "failed", [], choice)
+            failed = self._response("failed", [], choice)
             failed["error"] = {"code": "server_error", "message": choice.error or "generation failed"}
             return [*self._closing, self._event("response.failed", response=failed)]
         status = _status(choice)
         events = [] if self._items else self._open_message()
         events += self._close_item(status)
         self._closing = events
-        response = self._finish(prepared, choice, status, self._items)
+        response = self._finish(choice, status, self._items)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=response)]
 
