@@ -34,7 +34,10 @@ class RequestStream:
             self._lock.notify_all()
             wake, self._wake = self._wake, None
         if wake is not None:
-            wake()
+            try:
+                wake()
+            except RuntimeError:  # the consumer's event loop has closed: nobody is reading any more
+                pass
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -48,10 +51,15 @@ class RequestStream:
                         raise StopAsyncIteration
                     loop = asyncio.get_running_loop()
                     arrived = loop.create_future()
-                    self._wake = lambda: loop.call_soon_threadsafe(_resolve, arrived)
+                    self._wake = wake = lambda: loop.call_soon_threadsafe(_resolve, arrived)
             if delta is not None:
                 return delta
-            await arrived
+            try:
+                await arrived
+            finally:  # cancelled while waiting: no wake-up for a reader that has gone
+                with self._lock:
+                    if self._wake is wake:
+                        self._wake = None
 
     def wait(self, timeout: float | None = None) -> StreamDelta:
         """Block until the request has finished; the deltas not taken yet (all of them, if none was), as one."""
@@ -68,6 +76,7 @@ class RequestStream:
         with self._lock:
             unfinished = not self._put_last
             self._took_last = True
+            self._wake = None
         if unfinished and self.task_id is not None:
             self._abort(self.task_id)
 
