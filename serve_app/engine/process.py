@@ -145,28 +145,33 @@ class EngineProcess:
     # -- the serving API ----------------------------------------------------------------------
     def submit(self, request: GenerateRequest | EncodedRequest) -> RequestStream:
         """Queue one request; raise what the engine raised if it refused it."""
-        return self._submit(request).result()
+        accepted, stream = self._submit(request)
+        stream.task_id = accepted.result()
+        return stream
 
     async def submit_async(self, request: GenerateRequest | EncodedRequest) -> RequestStream:
         """As `submit`; a caller cancelled while it waits leaves nothing running in the engine."""
-        future = self._submit(request)
+        accepted, stream = self._submit(request)
         try:
-            return await asyncio.wrap_future(future)
+            stream.task_id = await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
-            future.add_done_callback(self._abort_accepted)
+            accepted.add_done_callback(self._abort_accepted)
             raise
+        return stream
 
     async def stream(self, request: EncodedRequest) -> RequestStream:
         return await self.submit_async(request)
 
-    def _submit(self, request: GenerateRequest | EncodedRequest) -> Future:
+    def _submit(self, request: GenerateRequest | EncodedRequest) -> tuple[Future, RequestStream]:
+        """The future of the task id the engine accepts the request as, and the request's stream (its deltas may
+        come first, even all of them)."""
         stream = RequestStream(self._abandon)
 
         def message(call_id: int) -> Submit:
             self._requests[call_id] = stream  # under the lock, before the engine can send a delta
             return Submit(call_id, request)
 
-        return self._request(message, self._stream_writer)
+        return self._request(message, self._stream_writer), stream
 
     def abort(self, task_id: int) -> None:
         self._post(self._stream_writer, Abort(task_id))
@@ -260,11 +265,8 @@ class EngineProcess:
                     self._publish(call_id, delta)
             case Accepted(call_id, task_id):
                 with self._lock:
-                    stream = self._requests.get(call_id)
                     future = self._pending.pop(call_id)
-                if stream is not None:
-                    stream.task_id = task_id
-                if not _settle(future, stream):  # the caller gave up before the engine took it
+                if not _settle(future, task_id):  # the caller gave up before the engine took it
                     self._abandon(task_id)
             case Refused(call_id, error):
                 with self._lock:
@@ -297,7 +299,7 @@ class EngineProcess:
     def _abort_accepted(self, future: Future) -> None:
         """Done-callback of a submit whose caller was cancelled: abort the request if the engine took it."""
         if not future.cancelled() and future.exception() is None:
-            self._abandon(future.result().task_id)
+            self._abandon(future.result())
 
     def _abandon(self, task_id: int) -> None:
         try:
@@ -317,9 +319,8 @@ class EngineProcess:
             _settle(future, error=EngineProcessError(reason))
         for stream in streams:
             stream.put(StreamDelta("", (), "error", error=reason))
-        failed = len(pending) + sum(stream.task_id is not None for stream in streams)  # a pending submit has both
-        if failed:
-            logger.error("%s; %d requests and calls failed", reason, failed)
+        if pending or streams:
+            logger.error("%s; %d answers awaited and %d request streams failed", reason, len(pending), len(streams))
 
     def _stop_process(self) -> None:
         if self._process.poll() is None:

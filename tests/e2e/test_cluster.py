@@ -155,7 +155,8 @@ def test_a_killed_replica_fails_only_its_own_streams(app: ServeRun, cluster: Two
         # streams have ended: whatever the victim runs when it is killed is then a long stream in flight.
         streams = _load(pool, client, 4, long_tokens, start=300)
         while not (all(f.done() for f in warm) and all(s["active_tasks"] > 0 for s in _replicas(app).values())):
-            assert len(streams) < 24, _replicas(app)
+            replicas = {rid: (s["active_tasks"], s["total_tasks"]) for rid, s in _replicas(app).items()}
+            assert len(streams) < 24, (replicas, f"{sum(f.done() for f in warm)} of {len(warm)} warm-up streams done")
             streams += _load(pool, client, 1, long_tokens, start=300 + len(streams))
             time.sleep(0.5)
         victim = next(s["pid"] for s in _replicas(app).values())
