@@ -151,13 +151,17 @@ def test_a_killed_replica_fails_only_its_own_streams(app: ServeRun, cluster: Two
     client = openai_client(app.url)
     with ThreadPoolExecutor(32) as pool:
         warm = _load_until(lambda: len(_replicas(app)) == 2, pool, client, 60, start=200)
-        # Long streams, one more every half second, until both replicas run some and the short warm-up
-        # streams have ended: whatever the victim runs when it is killed is then a long stream in flight.
+        # Long streams, one more every half second while fewer than six run (the load stays what the warm-up
+        # streams need to end), until both replicas run some and the short warm-up streams have ended:
+        # whatever the victim runs when it is killed is then a long stream in flight.
         streams = _load(pool, client, 4, long_tokens, start=300)
+        deadline = time.monotonic() + 120
         while not (all(f.done() for f in warm) and all(s["active_tasks"] > 0 for s in _replicas(app).values())):
             replicas = {rid: (s["active_tasks"], s["total_tasks"]) for rid, s in _replicas(app).items()}
-            assert len(streams) < 24, (replicas, f"{sum(f.done() for f in warm)} of {len(warm)} warm-up streams done")
-            streams += _load(pool, client, 1, long_tokens, start=300 + len(streams))
+            warm_done = f"{sum(f.done() for f in warm)} of {len(warm)} warm-up streams done"
+            assert time.monotonic() < deadline, (replicas, warm_done, f"{len(streams)} long streams")
+            if sum(not f.done() for f in streams) < 6:
+                streams += _load(pool, client, 1, long_tokens, start=300 + len(streams))
             time.sleep(0.5)
         victim = next(s["pid"] for s in _replicas(app).values())
         assert victim in [proc.pid for _, proc in cluster.engine_replicas()]
