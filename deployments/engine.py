@@ -80,8 +80,8 @@ class EngineDeployment:
         tokens = 0
         try:
             async for delta in deltas:
-                tokens += len(delta.token_ids)
                 if span is not None:
+                    tokens += len(delta.token_ids)
                     if delta.queue_time_s is not None:
                         span.set_attribute("serve_app.queue_time_s", delta.queue_time_s)
                     if delta.finish_reason is not None:

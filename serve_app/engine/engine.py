@@ -170,7 +170,7 @@ class InferenceEngine(Conveniences):
 
     def submit(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
         """Validate and queue one request (encoded here if it is not yet); its deltas gather in the result. Raises
-        what `new_task` and `start` raise, before queueing anything."""
+        what `queue` raises, before queueing anything."""
         encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
         result = GenerateResult(task_id=-1, prompt_tokens=len(encoded.prompt_ids), _on_abandon=self.abort)
         result.task_id = self.queue(encoded, lambda _, delta: result.publish(delta)).task_id  # -1 until queued
