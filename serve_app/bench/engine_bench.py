@@ -90,7 +90,7 @@ def run_engine_bench(
 
 
 def main(args) -> None:
-    engine = InferenceEngine(model=args.model, kv_cache=args.kv_cache, compile=args.compile)
+    engine = InferenceEngine(model=args.model, kv_cache=args.kv_cache, compile=args.compile, quantization=args.quantization)
     try:
         prompts = make_prompts(args.requests, seed=args.seed)
         run_engine_bench(engine, prompts[: min(4, len(prompts))], 4, 4, system="warmup")

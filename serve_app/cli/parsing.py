@@ -32,13 +32,15 @@ def int_list(text: str) -> list[int]:
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Each option's help followed by its default, where it has one."""
+    """Each option's help followed by its default, where it has one; a list's as it is typed."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
         if "%(default)" in text or default is None or default is False or default == argparse.SUPPRESS or not action.option_strings:
             return text
+        if isinstance(default, list):  # as it is typed: 1,8,32
+            return f"{text} (default: {','.join(map(str, default)) or 'none'})".replace("%", "%%")
         return f"{text} (default: %(default)s)"
 
 

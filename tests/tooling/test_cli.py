@@ -38,6 +38,8 @@ def test_every_option_has_a_help_line_and_its_default(path: tuple[str, ...], par
             continue
         assert action.help, f"serve-app {' '.join(path)} {action.option_strings or action.dest}: no help"
         default = action.default
+        if isinstance(default, list):  # as it is typed: 1,8,32
+            default = ",".join(map(str, default)) or "none"
         if action.option_strings and default is not None and not isinstance(default, bool):
             assert f"(default: {default})" in " ".join(text.split()), (path, action.dest)
 
@@ -52,10 +54,26 @@ def test_serve_app_help_runs_as_a_command() -> None:
 
 
 def test_every_bench_command_takes_a_model() -> None:
-    """`bench clients` excepted: each of its `--server NAME=URL=MODEL` names the model that server runs."""
     benches = {path[1]: parser for path, parser in COMMANDS if len(path) == 2 and path[0] == "bench"}
     lacking = {name for name, parser in benches.items() if not any(a.dest == "model" for a in parser._actions)}
-    assert lacking == {"clients"}
+    assert len(benches) >= 16 and lacking == set()
+
+
+def test_a_list_default_is_shown_as_it_is_typed() -> None:
+    engine = dict(COMMANDS)[("bench", "engine")].format_help()
+    assert "(default: 16)" in " ".join(engine.split()) and "[16]" not in engine
+    compare = " ".join(dict(COMMANDS)[("bench", "compare")].format_help().split())
+    assert "(default: 1,16,64,128)" in compare and "(default: completions,chat)" in compare
+
+
+def test_bench_clients_servers_name_their_model_or_take_the_option() -> None:
+    from serve_app.cli.bench_commands.clients import servers_of
+
+    ours, theirs = servers_of(["ours=http://127.0.0.1:8000", "llama=http://127.0.0.1:8090=smollm2"], "served-name")
+    assert (ours.name, ours.url, ours.model) == ("ours", "http://127.0.0.1:8000", "served-name")
+    assert (theirs.name, theirs.url, theirs.model) == ("llama", "http://127.0.0.1:8090", "smollm2")
+    with pytest.raises(SystemExit, match="NAME=URL"):
+        servers_of(["just-a-name"], "served-name")
 
 
 def test_a_model_source_is_served_by_its_name(tmp_path: Path) -> None:

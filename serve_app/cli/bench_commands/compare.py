@@ -14,9 +14,9 @@ HELP = "this engine and server against transformers, side by side"
 def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
-        "--concurrency", type=int_list, default=[1, 16, 64, 128], help="requests in flight for engine and http; a list sweeps"
+        "--concurrency", type=int_list, default=[1, 16, 64, 128], help="requests in flight for engine and the HTTP systems; a comma list sweeps, e.g. 1,8,32"
     )
     parser.add_argument(
         "--systems", type=str_list, default=None,
@@ -35,7 +35,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sequential-requests", type=int, default=8, help="requests for one-at-a-time generate (it is slow)")
     parser.add_argument("--single-client-requests", type=int, default=16, help="requests at concurrency 1 (it is slow)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
 
 

@@ -15,11 +15,11 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous"], help="the KV cache: paged (pages shared by prefix) or contiguous (a slot per request)")
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--concurrency", type=int_list, default=[16], help="requests in flight; a list sweeps: 1,8,32")
-    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt set")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    add_engine_form(parser, quantization=False)
+    parser.add_argument("--concurrency", type=int_list, default=[16])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    add_engine_form(parser)
 
 
 def run(args: argparse.Namespace) -> None:
