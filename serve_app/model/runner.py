@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,15 @@ from serve_app.model.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _quiet_torchao_import() -> None:
+    """transformers imports torchao when it loads any model; torchao then warns that its optional CUDA kernels
+    did not load and torch that its enum registration is deprecated: four warnings at every start that no user of
+    this server can act on (torchao's own quantization, where asked for, reports its errors as errors)."""
+    if "torchao" not in sys.modules:
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,6 +97,7 @@ class ModelRunner:
         eos = getattr(generation, "eos_token_id", None) if generation is not None else None
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.tokenizer = Tokenizer(self.path, extra_eos_token_ids=eos_ids)
+        _quiet_torchao_import()
         self.model = AutoModelForCausalLM.from_pretrained(
             self.path, dtype=self.dtype, attn_implementation=register_attention()
         ).to(self.device)
