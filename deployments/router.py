@@ -101,8 +101,9 @@ class PrefixAwareRouter(RequestRouter):
         if hashes is None:
             hashes = self._page_hashes(pending_request)
         replica = replica_id.unique_id
-        cached = self._routing.index.matched_pages(hashes, [replica]).get(replica, 0) if hashes else 0
-        self._recent.append({"at": round(time.time(), 3), "replica": replica, "cached_pages": cached, "pages": len(hashes)})
+        if _prompt_of(pending_request.args) is not None:  # a request, not a call such as the model list
+            cached = self._routing.index.matched_pages(hashes, [replica]).get(replica, 0) if hashes else 0
+            self._recent.append({"at": round(time.time(), 3), "replica": replica, "cached_pages": cached, "pages": len(hashes)})
         self._routing.routed(replica, hashes, _adapter_of(pending_request.args))
 
     def _page_hashes(self, pending_request: PendingRequest | None) -> list[PageHash]:
