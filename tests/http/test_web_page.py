@@ -1,8 +1,11 @@
 """The web page at `/`, in a real browser (Debian's headless Chromium driven by Selenium): a message sent in
-the playground streams back the model's greedy answer with its figures, and the live view counts it."""
+the playground streams back the model's greedy answer with its figures, and the live view counts it; the JSON-schema
+and tool modes answer in their form; with API keys on, the page asks for one and keeps it to itself."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -54,6 +57,31 @@ def test_a_message_streams_back_and_the_live_view_counts_it(server: InProcessSer
     assert text.startswith("TTFT ") and f"· {expected.usage.completion_tokens} tokens ·" in text, text
     assert "cached prompt tokens" in text and "tokens/s" in text
     wait.until(lambda b: (_requests_in_live_view(b) or 0) >= before + 1)
+
+
+def test_the_json_schema_and_tool_modes_answer_in_their_form(server: InProcessServer, browser) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    browser.get(f"{server.url}/")
+    wait = WebDriverWait(browser, 120, poll_frequency=0.2)
+    wait.until(lambda b: MODEL in [o.text for o in Select(b.find_element(By.ID, "model")).options])
+    for field, value in (("temperature", "0"), ("max-tokens", "100")):
+        element = browser.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+
+    def ask(mode: str, text: str, answers: int) -> str:
+        Select(browser.find_element(By.ID, "mode")).select_by_value(mode)
+        browser.find_element(By.ID, "prompt").send_keys(text)
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda b: len([f for f in b.find_elements(By.CSS_SELECTOR, "#conversation .figures") if f.text]) == answers)
+        return browser.find_elements(By.CSS_SELECTOR, "#conversation .msg.assistant")[-1].text
+
+    person = json.loads(ask("json_schema", "Describe a person.", 1))  # the page's example schema
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
+    call = re.fullmatch(r"get_weather\((\{.*\})\)", ask("tools_required", "What is the weather in Paris?", 2))
+    assert call is not None and isinstance(json.loads(call.group(1))["city"], str)
 
 
 @pytest.fixture(scope="module")
