@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from serve_app.metrics.catalog import LATENCY_BUCKETS, MetricSpec, Sample, full_name
+from serve_app.metrics.catalog import MetricSpec, Sample, full_name
 
 
 class RayMetrics:
@@ -26,7 +26,7 @@ class RayMetrics:
             elif spec.kind == "gauge":
                 self._metrics[spec] = Gauge(name, spec.help, tag_keys=tags)
             else:
-                self._metrics[spec] = Histogram(name, spec.help, boundaries=list(LATENCY_BUCKETS), tag_keys=tags)
+                self._metrics[spec] = Histogram(name, spec.help, boundaries=list(spec.buckets), tag_keys=tags)
 
     def record(self, samples: Iterable[Sample]) -> None:
         for sample in samples:

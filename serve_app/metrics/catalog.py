@@ -15,6 +15,7 @@ from serve_app.engine.io import TIER_NAMES
 NAMESPACE = "serve_app"
 COMMON_LABELS = ("model_name", "replica")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = tuple(float(step * 10**power) for power in range(6) for step in (1, 2, 5))  # 1, 2, 5, ..., 500000
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class MetricSpec:
     kind: Literal["counter", "gauge", "histogram"]
     help: str
     labels: tuple[str, ...] = ()  # beyond COMMON_LABELS
+    buckets: tuple[float, ...] = LATENCY_BUCKETS  # a histogram's
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -51,9 +53,16 @@ E2E_REQUEST_LATENCY = MetricSpec("e2e_request_latency_seconds", "histogram", "Ti
 REQUEST_QUEUE_TIME = MetricSpec(
     "request_queue_time_seconds", "histogram", "Time a request waited in its engine's queue before admission."
 )
+REQUEST_PROMPT_TOKENS = MetricSpec(
+    "request_prompt_tokens", "histogram", "Prompt tokens of each finished request.", buckets=TOKEN_BUCKETS
+)
+REQUEST_GENERATION_TOKENS = MetricSpec(
+    "request_generation_tokens", "histogram", "Generated tokens of each finished request.", buckets=TOKEN_BUCKETS
+)
 REQUEST_METRICS = (
     REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS,
     TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
+    REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
 )
 
 # An engine replica's state, from its stats.
@@ -153,6 +162,8 @@ def request_samples(
         Sample(REQUEST_SUCCESS, 1, {**common, "finished_reason": finished_reason}),
         Sample(PROMPT_TOKENS, prompt_tokens, common),
         Sample(GENERATION_TOKENS, generated, common),
+        Sample(REQUEST_PROMPT_TOKENS, prompt_tokens, common),
+        Sample(REQUEST_GENERATION_TOKENS, generated, common),
     ]
     for spec, value in (
         (TIME_TO_FIRST_TOKEN, timing.ttft_s), (REQUEST_QUEUE_TIME, timing.queue_time_s), (E2E_REQUEST_LATENCY, timing.e2e_s),

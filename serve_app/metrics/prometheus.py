@@ -12,7 +12,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from serve_app.http.protocols.base import RequestObserver
 from serve_app.http.protocols.prepared import Choice
 from serve_app.metrics.catalog import (
-    LATENCY_BUCKETS,
     REQUEST_METRICS,
     MetricSpec,
     RequestTiming,
@@ -62,7 +61,7 @@ class ServerMetrics(RequestObserver):
                 metric: Counter | Histogram = Counter(full_name(spec), spec.help, spec.label_names, registry=self.registry)
             else:
                 metric = Histogram(
-                    full_name(spec), spec.help, spec.label_names, buckets=LATENCY_BUCKETS, registry=self.registry
+                    full_name(spec), spec.help, spec.label_names, buckets=spec.buckets, registry=self.registry
                 )
             self._requests[spec] = metric
         self._engine_state = _EngineStateCollector()

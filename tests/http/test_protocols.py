@@ -232,8 +232,14 @@ def test_stats_and_metrics_count_a_request(server: InProcessServer, oai: openai.
     assert grew("request_success_total") == 1
     assert grew("prompt_tokens_total") == reply.usage.prompt_tokens
     assert grew("generation_tokens_total") == 4
-    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+    for histogram in (
+        "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+        "request_prompt_tokens", "request_generation_tokens",
+    ):
         assert grew(f"{histogram}_count") == 1, histogram
+    assert grew("request_prompt_tokens_sum") == reply.usage.prompt_tokens
+    assert grew("request_generation_tokens_sum") == 4  # observed once, into the buckets from 5 tokens up
+    assert grew("request_generation_tokens_bucket", le="5.0") == 1 and grew("request_generation_tokens_bucket", le="2.0") == 0
     assert 1 <= grew("inter_token_latency_seconds_count") <= 3  # a merged delta's tokens share one gap
     assert 0 <= grew("request_queue_time_seconds_sum") < grew("time_to_first_token_seconds_sum")
     assert grew("time_to_first_token_seconds_sum") < grew("e2e_request_latency_seconds_sum")
