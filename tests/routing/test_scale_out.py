@@ -238,15 +238,29 @@ def test_the_kv_routes_reach_the_model_the_query_names(two_engines: ServeRun) ->
         assert refused.value.status == status and "model" in refused.value.message
 
 
+def _settled_decisions(url: str) -> int:
+    """The routers' decision count once their reports have caught up: a router reports at most every 2 s, after
+    up to 1 s waiting for page news, so a count unchanged for 4 s includes every decision made before."""
+    last, since, deadline = -1, time.monotonic(), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = sum(r["decisions"] for r in httpx.get(f"{url}/stats/routing", timeout=10).json().values())
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 4:
+            break
+        time.sleep(0.5)
+    return last
+
+
 def test_the_router_reports_what_its_decisions_cost(two_engines: ServeRun) -> None:
     client = openai_client(two_engines.url)
-    before = sum(r["decisions"] for r in httpx.get(f"{two_engines.url}/stats/routing", timeout=10).json().values())
+    before = _settled_decisions(two_engines.url)
     started = time.time()
     for index in range(3):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Hi {index}"}], max_tokens=2)
     for _ in range(10):  # each asks an engine replica for its adapters: a decision, but no request to list
         client.models.list()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         routers = httpx.get(f"{two_engines.url}/stats/routing", timeout=10).json()
         if sum(r["decisions"] for r in routers.values()) >= before + 13:
@@ -255,8 +269,8 @@ def test_the_router_reports_what_its_decisions_cost(two_engines: ServeRun) -> No
     assert sum(r["decisions"] for r in routers.values()) >= before + 13, routers
     for costs in routers.values():
         assert 0 < costs["p50_us"] <= costs["p99_us"] <= costs["max_us"], costs
-    # The latest requests (the live view shows them): where each went, and its prompt pages cached there; the
-    # model list's calls, made after the chats, have not pushed the chats out.
+    # The latest requests (the live view shows them): where each went, and its prompt pages cached there. This
+    # report came after the model list's calls, made after the chats, and they have not pushed the chats out.
     replicas = set(httpx.get(f"{two_engines.url}/stats/replicas", timeout=10).json())
     recent = [d for r in routers.values() for d in r["recent"]]
     assert recent and all(d["replica"] in replicas and 0 <= d["cached_pages"] <= d["pages"] for d in recent), recent
