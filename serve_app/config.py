@@ -251,6 +251,14 @@ class ServerConfig(_Strict):
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
     max_kv_bytes: int = Field(1024**3, ge=1024, description="larger `/v1/kv/store` bodies get 413")
     max_n: int = Field(16, ge=1, description="choices per request at most")
+    max_choices: int = Field(
+        128, ge=1, description="engine requests one request makes at most: its prompts (legacy completions) times n"
+    )
+    max_prompt_characters: int | None = Field(
+        None, ge=1,
+        description="characters of a prompt (a chat's messages and tools) at most, checked before tokenizing; None: "
+        "16 per token of the model's context",
+    )
     max_stop_sequences: int = Field(16, ge=0, description="stop sequences per request at most")
     max_stop_length: int = Field(256, ge=1, description="characters per stop sequence at most")
     max_messages: int = Field(1024, ge=1, description="chat messages per request at most")

@@ -4,13 +4,16 @@ A task samples one row, or, where it verified proposed tokens, one row per posit
 the model's distribution after the task's tokens and the first j proposals. Positions run in
 order, all tasks at once: at each, the rows are masked by their grammars (in the state the tokens
 accepted so far left), sampled (a proposal by rejection sampling), and accepted one token per task,
-with stop strings, `max_tokens` and logprobs exactly as one token per step would. A task goes on to
+with stop strings, `max_tokens` and logprobs exactly as one token per step would. Where sampling the rows
+together raises, each row is sampled alone on the same logits: a row that still raises ends its own task
+with an error, and the forward is never run again. A task goes on to
 the next position only while the model agreed with its proposal, so the tokens emitted are those
 decoding one at a time would give (greedy: identical; sampled: the same distribution).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +24,7 @@ from serve_app.engine.io import StreamDelta, TokenLogprob, merge_deltas
 from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
 from serve_app.engine.task import Task
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Emitted:
@@ -50,10 +54,13 @@ class TokenEmitter:
             # Without proposals the rows are the logits as they are: no copy of [rows, vocab].
             rows = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=logits.device)]
             drafts = [t.drafts[position] if position < len(t.drafts) else None for t in group]
-            tokens = self._sample(rows, group, drafts)
+            tokens, errors = self._sample_isolated(rows, group, drafts)
             logprobs = self._logprobs(rows, tokens, group)
             going_on = []
-            for i, task, token, logprob, draft in zip(live, group, tokens.tolist(), logprobs, drafts):
+            for i, task, token, logprob, draft, error in zip(live, group, tokens.tolist(), logprobs, drafts, errors):
+                if error is not None:
+                    deltas[i].append(StreamDelta("", (), "error", error=f"sampling failed: {error}"))
+                    continue
                 delta = task.accept(int(token), self.max_model_len, logprob)
                 deltas[i].append(delta)
                 agreed = draft is not None and token == draft
@@ -62,6 +69,24 @@ class TokenEmitter:
                     going_on.append(i)
             live, position = going_on, position + 1
         return [Emitted(merge_deltas(d), a) for d, a in zip(deltas, accepted)]
+
+    def _sample_isolated(
+        self, rows: torch.Tensor, tasks: list[Task], drafts: list[int | None]
+    ) -> tuple[torch.Tensor, list[str | None]]:
+        """Each row's token, and for each row the error that kept it from one (None where it has one)."""
+        try:
+            return self._sample(rows, tasks, drafts), [None] * len(tasks)
+        except Exception as error:  # one row's parameters or grammar: find it, and let the others go on
+            logger.warning("sampling %d rows together failed (%s); sampling each alone", len(tasks), error)
+        tokens = torch.zeros(len(tasks), dtype=torch.long, device=rows.device)
+        errors: list[str | None] = [None] * len(tasks)
+        for row, (task, draft) in enumerate(zip(tasks, drafts)):
+            try:
+                tokens[row] = self._sample(rows[row : row + 1], [task], [draft])[0]
+            except Exception as error:
+                logger.exception("task %d: sampling failed", task.task_id)
+                errors[row] = str(error) or type(error).__name__
+        return tokens, errors
 
     def _sample(self, rows: torch.Tensor, tasks: list[Task], drafts: list[int | None]) -> torch.Tensor:
         batch = SamplingBatch.build(

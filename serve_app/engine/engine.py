@@ -105,6 +105,7 @@ class InferenceEngine(Conveniences):
         logging.getLogger("serve_app").setLevel(self.config.logging.log_level.upper())
         self.runner, self.cache = _on_a_thread_of_its_own(self._load)
         self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.vocab_size
         chosen = self.config.model.tool_call_format
         self.tool_format: ToolFormat = self.tokenizer.tool_format if chosen == "auto" else chosen
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids)

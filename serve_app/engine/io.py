@@ -33,7 +33,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, description="what torch.Generator takes")
 
     @property
     def is_greedy(self) -> bool:
@@ -406,3 +406,4 @@ class ModelInfo:
     max_model_len: int
     created: int
     tool_format: ToolFormat
+    vocab_size: int  # token ids a request may name are below it

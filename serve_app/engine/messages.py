@@ -32,11 +32,12 @@ from serve_app.routing.page_events import PageEventBatch
 
 @dataclass(frozen=True)
 class Ready:
-    """The engine is loaded: its context limit, creation time and first stats."""
+    """The engine is loaded: its context limit, creation time, tool-call format, vocabulary size and first stats."""
 
     max_model_len: int
     created: int
     tool_format: ToolFormat
+    vocab_size: int
     stats: dict[str, int]
 
 

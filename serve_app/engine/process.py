@@ -108,6 +108,7 @@ class EngineProcess:
         self.max_model_len = ready.max_model_len
         self.created = ready.created
         self.tool_format = ready.tool_format
+        self.vocab_size = ready.vocab_size
         self._health = Health(ready.stats, True)
         self._page_events = PageEventBuffer()
         self._lock = threading.Lock()  # guards the tables below and `_exit_reason`

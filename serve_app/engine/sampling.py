@@ -2,7 +2,10 @@
 
 The pipeline runs penalties -> temperature -> top-k -> top-p -> min-p -> softmax -> multinomial
 on a batch of rows (one per sequence), each row with its own parameters. Rows with
-temperature 0 take the argmax of their (penalised) logits. A sampled row that carries a proposed
+temperature 0 take the argmax of their (penalised) logits. Any value the request types allow stays finite
+or masked: a penalty's overflow is the largest float, temperature divides logits already shifted to a
+maximum of 0 (so a tiny temperature gives the top token, never NaN), and a row whose probabilities are not
+a distribution takes its argmax. A sampled row that carries a proposed
 token (speculative decoding) draws by rejection sampling against it, which keeps the row's
 distribution exactly: the proposal with its probability, else a draw from the rest.
 """
@@ -18,6 +21,8 @@ import torch
 from serve_app.engine.io import SamplingParams
 
 _NEG_INF = float("-inf")
+# top_k as a tensor holds int64; a larger value keeps every token anyway.
+_MAX_TOP_K = 2**31 - 1
 
 
 @dataclass
@@ -49,7 +54,7 @@ class SamplingBatch:
             prompt_ids=prompt_ids if prompt_ids is not None else [()] * rows,
             output_ids=output_ids if output_ids is not None else [()] * rows,
             temperature=torch.tensor([p.temperature or 1.0 for p in params], device=device),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], dtype=torch.long, device=device),
+            top_k=torch.tensor([min(p.top_k, _MAX_TOP_K) if p.top_k > 0 else 0 for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
             min_p=torch.tensor([p.min_p for p in params], device=device),
         )
@@ -89,7 +94,8 @@ class PenaltyStrategy(BaseSamplingStrategy):
                     torch.tensor(batch.output_ids[row], dtype=torch.long), minlength=logits.shape[1]
                 ).to(logits.device, logits.dtype)
                 logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-        return logits
+        # A penalty near 0 divides a positive logit into +inf: keep it the largest finite value instead.
+        return logits.masked_fill(logits == float("inf"), torch.finfo(logits.dtype).max)
 
 
 class TemperatureStrategy(BaseSamplingStrategy):
@@ -97,7 +103,11 @@ class TemperatureStrategy(BaseSamplingStrategy):
         return bool((batch.temperature != 1.0).any())
 
     def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        return logits / batch.temperature[:, None]
+        """Logits shifted so each row's top is 0 (softmax and every later strategy are unchanged by it), then
+        divided: the top stays 0 and the rest at most -0, however small the temperature."""
+        top = logits.max(dim=1, keepdim=True).values
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a fully masked row stays as it is
+        return (logits - top) / batch.temperature[:, None]
 
 
 class TopKStrategy(BaseSamplingStrategy):
@@ -180,7 +190,11 @@ class SamplingPipeline:
             if strategy.applies(sub):
                 rows = strategy.apply(rows, sub)
         sub_drafts = [drafts[r] for r in sampled] if drafts is not None else [None] * len(sampled)
-        tokens[index] = self._draw(rows.softmax(dim=1), sub.generators, sub_drafts)
+        probs = rows.softmax(dim=1)
+        usable = torch.isfinite(probs).all(dim=1) & (probs.sum(dim=1) > 0)
+        if not bool(usable.all()):  # no distribution left to draw from: the row's best token
+            probs = torch.where(usable[:, None], probs, torch.nn.functional.one_hot(tokens[index], probs.shape[1]).to(probs.dtype))
+        tokens[index] = self._draw(probs, sub.generators, sub_drafts)
         return tokens
 
     @staticmethod

@@ -27,6 +27,7 @@ class ServingEngine(Protocol):
     max_model_len: int
     created: int
     tool_format: ToolFormat
+    vocab_size: int
 
     async def stream(self, request: EncodedRequest) -> DeltaStream: ...
     async def answer_async(self, call: EngineCall) -> Any: ...

@@ -52,6 +52,12 @@ class ServerContext:
             raise ProtocolError("permission", "this route needs an admin API key")
         return tenant
 
+    def take_slot(self, tenant: Tenant) -> None:
+        """One of `tenant`'s slots for a request's work (429 when all are taken); give it back with `slots.give_back`."""
+        if not self.slots.try_take(tenant):
+            limit = self.config.max_concurrent_per_tenant
+            raise ProtocolError("rate_limit", f"over max_concurrent_per_tenant={limit} requests in flight")
+
     async def ready_caller(self, request: Request, admin: bool = False) -> Tenant:
         """The authenticated caller, once every model's engine is ready (503 before)."""
         tenant = self.caller(request, admin)

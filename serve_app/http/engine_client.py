@@ -70,7 +70,7 @@ class LocalEngineClient(EngineClient):
     def __init__(self, engine: InferenceEngine, served_name: str) -> None:
         self.engine = engine
         self.prompts = PromptEncoder(engine.tokenizer)
-        self.info = ModelInfo(served_name, engine.max_model_len, engine.created, engine.tool_format)
+        self.info = ModelInfo(served_name, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size)
 
     async def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:
         try:

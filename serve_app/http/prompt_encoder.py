@@ -27,15 +27,18 @@ class PromptEncoder:
             raise ProtocolError.of(refused) from None
 
     async def encode(
-        self, requests: Sequence[GenerateRequest], engine_salts: Sequence[str], trace_context: dict[str, str]
+        self,
+        requests: Sequence[GenerateRequest],
+        engine_salts: Sequence[str],
+        trace_context: dict[str, str],
+        choices_per_prompt: int = 1,
     ) -> list[EncodedRequest]:
-        """Each request as the engine runs it, under its engine salt; a prompt that several requests share (the
-        choices of one chat) is tokenized once."""
+        """Each request as the engine runs it, under its engine salt. Requests come in runs of `choices_per_prompt`
+        choices of one prompt: each prompt is tokenized once, off the event loop."""
         encoded: list[EncodedRequest] = []
-        for request, salt in zip(requests, engine_salts):
-            same = next((e for e in encoded if _same_prompt(e.request, request)), None)
-            if same is not None:
-                ids = same.prompt_ids
+        for index, (request, salt) in enumerate(zip(requests, engine_salts)):
+            if index % choices_per_prompt:
+                ids = encoded[index - index % choices_per_prompt].prompt_ids
             elif isinstance(request.prompt, list):
                 ids = list(request.prompt)  # token ids as given: nothing to tokenize
             else:
@@ -46,6 +49,3 @@ class PromptEncoder:
     async def count(self, request: GenerateRequest) -> int:
         return len(await asyncio.to_thread(self.prompt_ids, request))
 
-
-def _same_prompt(one: GenerateRequest, other: GenerateRequest) -> bool:
-    return one.prompt == other.prompt and one.messages == other.messages and one.tools == other.tools

@@ -41,3 +41,35 @@ def test_the_failing_request_ends_with_an_error_and_the_others_stay_exact(
     assert all(r.finish_reason == "length" for r in results)
     # And the engine keeps serving.
     assert engine.submit(GenerateRequest(prompt=good[1], max_tokens=4, temperature=0)).wait(60).finish_reason
+
+
+def test_a_request_whose_sampling_fails_fails_alone_without_running_the_batch_again(
+    engine: InferenceEngine, reference: ReferenceModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = oracle_prompts(engine.tokenizer)[:3]
+    expected = [reference.greedy(ids, 8) for ids in good]
+    sampler = engine.loop.step.emitter.sampler
+    sample = type(sampler).__call__
+    forwards = []
+    forward = engine.runner.forward
+
+    def counting_forward(batch, view):
+        forwards.append(len(batch.token_ids))
+        return forward(batch, view)
+
+    def failing_sample(self, logits, batch, drafts=None):
+        if any(p.seed == 666 for p in batch.params):
+            raise RuntimeError("injected sampling error")
+        return sample(self, logits, batch, drafts)
+
+    monkeypatch.setattr(engine.runner, "forward", counting_forward)
+    monkeypatch.setattr(type(sampler), "__call__", failing_sample)
+    requests = [GenerateRequest(prompt=ids, max_tokens=8, temperature=0, ignore_eos=True) for ids in good]
+    poisoned = GenerateRequest(prompt=good[0], max_tokens=8, temperature=0.7, seed=666, ignore_eos=True)
+    with caplog.at_level(logging.WARNING):
+        bad, *results = engine.loop.call(lambda: [engine.submit(r) for r in [poisoned, *requests]])
+        assert [r.wait(120).token_ids for r in results] == expected
+    assert bad.wait(60).finish_reason == "error" and "injected sampling error" in (bad.error or "")
+    assert "sampling each alone" in caplog.text and "one by one" not in caplog.text
+    # Every forward ran once: the prefill of all four, then seven decodes of the three left.
+    assert len(forwards) == 8, forwards

@@ -26,6 +26,8 @@ from serve_app.metrics.catalog import RequestTiming
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_LIMITS = RequestLimits()
+
 
 def sse(data: Any, event: str | None = None) -> str:
     """One server-sent event."""
@@ -65,8 +67,9 @@ class ResponseBuilder(ABC):
     messages_param = "messages"
 
     @abstractmethod
-    def prepare(self, body: Any, model: ModelInfo) -> ResponseFormatter:
-        """Validate the JSON body (ProtocolError naming the field on bad input); the request's formatter."""
+    def prepare(self, body: Any, model: ModelInfo, limits: RequestLimits = DEFAULT_LIMITS) -> ResponseFormatter:
+        """Validate the JSON body (ProtocolError naming the field on bad input); the request's formatter. Its
+        choices are held to `limits` before a request is made for each."""
 
 
 # Runs once the answer is whole (given its formatter), before the client has all of it.
@@ -107,13 +110,16 @@ class ProtocolHandler:
                 raise ProtocolError("not_ready", "Engine not initialized")
             info = await self.engine.model_info()
             self.model_name = info.id
-            formatter = self.builder.prepare(body, info)
+            limits = limits or DEFAULT_LIMITS
+            # Validating a big body takes a while: off the event loop, which serves every other request.
+            formatter = await asyncio.to_thread(self.builder.prepare, body, info, limits)
             prepared = formatter.prepared
-            if limits is not None:
-                builder = self.builder
-                limits.apply(prepared, builder.stop_param, builder.max_tokens_param, builder.messages_param)
+            builder = self.builder
+            limits.apply(prepared, info, builder.stop_param, builder.max_tokens_param, builder.messages_param)
             salts = [cache_salt(r.cache_salt) if cache_salt is not None else r.cache_salt or "" for r in prepared.requests]
-            encoded = await self.engine.prompts.encode(prepared.requests, salts, tracing.carrier(self.span))
+            encoded = await self.engine.prompts.encode(
+                prepared.requests, salts, tracing.carrier(self.span), prepared.choices_per_prompt
+            )
             streams = [_TimedStream(self.engine.stream(r)) for r in encoded]
             firsts = await _first_deltas(streams)
         except ValidationError as error:

@@ -1,20 +1,30 @@
-"""RequestLimits: the bounds every generation request is held to, each breach a 400 naming its limit."""
+"""RequestLimits: the bounds every generation request is held to before any work is done for it, each breach a
+400 naming its field and limit: choices (prompts x `n`), stop sequences, messages, characters before
+tokenizing, output tokens, and token ids and `top_k` within the model's vocabulary."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from serve_app.config import ServerConfig
-from serve_app.http.protocols.prepared import PreparedRequest
+from serve_app.engine.io import GenerateRequest, ModelInfo
 from serve_app.http.protocols.errors import invalid
+from serve_app.http.protocols.prepared import PreparedRequest
+
+# Without `max_prompt_characters`, a prompt may have this many characters per token of the model's context:
+# far more than any text needs (English runs about 4 a token), and few enough to tokenize in well under a second.
+CHARACTERS_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     max_n: int = 16
+    max_choices: int = 128
     max_stop_sequences: int = 16
     max_stop_length: int = 256
     max_messages: int = 1024
+    max_prompt_characters: int | None = None
     max_output_tokens: int | None = None
     max_constrained_tokens: int | None = None
 
@@ -22,16 +32,35 @@ class RequestLimits:
     def from_config(cls, config: ServerConfig) -> RequestLimits:
         return cls(
             max_n=config.max_n,
+            max_choices=config.max_choices,
             max_stop_sequences=config.max_stop_sequences,
             max_stop_length=config.max_stop_length,
             max_messages=config.max_messages,
+            max_prompt_characters=config.max_prompt_characters,
             max_output_tokens=config.max_output_tokens,
             max_constrained_tokens=config.max_constrained_tokens,
         )
 
+    def check_choices(self, n: int, prompts: int = 1) -> None:
+        """Before a builder makes a request per choice: `n` within `max_n`, and prompts x `n` within `max_choices`."""
+        if n > self.max_n:
+            raise invalid(f"n: {n} choices are over max_n={self.max_n}", "n")
+        if prompts * n > self.max_choices:
+            raise invalid(
+                f"prompt: {prompts} prompts x n={n} make {prompts * n} choices, over max_choices={self.max_choices}",
+                "prompt",
+            )
+
+    def prompt_characters(self, model: ModelInfo) -> int:
+        """The characters a request's prompt may have before it is tokenized."""
+        if self.max_prompt_characters is not None:
+            return self.max_prompt_characters
+        return CHARACTERS_PER_TOKEN * model.max_model_len
+
     def apply(
         self,
         prepared: PreparedRequest,
+        model: ModelInfo,
         stop_param: str = "stop",
         max_tokens_param: str = "max_tokens",
         messages_param: str = "messages",
@@ -39,8 +68,7 @@ class RequestLimits:
         """Check `prepared` against the limits (each error naming the field as the protocol calls it); a
         request without `max_tokens` gets `max_output_tokens`, and a JSON or tool-call answer's constrained
         part `max_constrained_tokens` (its requests are replaced so)."""
-        if prepared.choices_per_prompt > self.max_n:
-            raise invalid(f"n: {prepared.choices_per_prompt} choices are over max_n={self.max_n}", "n")
+        self.check_choices(prepared.choices_per_prompt, len(prepared.requests) // prepared.choices_per_prompt)
         first = prepared.requests[0]
         if len(first.stop) > self.max_stop_sequences:
             raise invalid(
@@ -58,6 +86,9 @@ class RequestLimits:
                 f"{messages_param}: {len(first.messages)} messages are over max_messages={self.max_messages}",
                 messages_param,
             )
+        for request in prepared.requests[:: prepared.choices_per_prompt]:
+            self.check_characters(request, model, messages_param)
+            check_vocabulary(request, model.vocab_size)
         asked = first.max_tokens
         spec = first.structured_output
         if asked is None and self.max_constrained_tokens is not None and spec is not None and spec.is_json:
@@ -72,3 +103,41 @@ class RequestLimits:
         if asked is None:
             prepared.requests = [r.model_copy(update={"max_tokens": self.max_output_tokens}) for r in prepared.requests]
 
+    def check_characters(self, request: GenerateRequest, model: ModelInfo, messages_param: str = "messages") -> None:
+        """The prompt's text (a chat's messages and tools) within `prompt_characters`: bounded before tokenizing."""
+        limit = self.prompt_characters(model)
+        characters = prompt_characters(request)
+        if characters > limit:
+            param = "prompt" if request.prompt is not None else messages_param
+            raise invalid(
+                f"{param}: {characters} characters are over max_prompt_characters={limit} (the model's context "
+                f"holds {model.max_model_len} tokens)",
+                param,
+            )
+
+
+def prompt_characters(request: GenerateRequest) -> int:
+    """The characters tokenizing `request` reads: its text prompt, or its messages' text and its tools' JSON."""
+    if isinstance(request.prompt, str):
+        return len(request.prompt)
+    if request.messages is None:
+        return 0  # token ids: nothing to tokenize
+    text = sum(
+        len(value) if isinstance(value, str) else len(json.dumps(value))
+        for message in request.messages
+        for value in message.values()
+    )
+    return text + (len(json.dumps(request.tools)) if request.tools else 0)
+
+
+def check_vocabulary(request: GenerateRequest, vocab_size: int) -> None:
+    """Token ids and `top_k` within the model's vocabulary, so that no bad value reaches the router or a batch."""
+    top_k = request.sampling.top_k
+    if top_k > vocab_size:
+        raise invalid(f"top_k: {top_k} is over the vocabulary's {vocab_size} tokens (0 or -1 keeps them all)", "top_k")
+    for param, ids in (("prompt", request.prompt), ("stop_token_ids", request.stop_token_ids)):
+        if isinstance(ids, list) and ids:
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= vocab_size:
+                bad = low if low < 0 else high
+                raise invalid(f"{param}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param)

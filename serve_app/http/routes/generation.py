@@ -17,7 +17,6 @@ from serve_app.http.protocols.anthropic import (
     parse,
 )
 from serve_app.http.protocols.base import Answered, ProtocolHandler, ResponseBuilder
-from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
 from serve_app.http.routes.answering import answers_in
 from serve_app.http.streaming import ClosingStreamingResponse
@@ -46,9 +45,7 @@ async def generate(
 ) -> Response:
     """Run one request through `builder`, holding one of the tenant's slots until it is over; `answered` runs
     once the answer is whole, before the client has all of it."""
-    if not context.slots.try_take(tenant):
-        limit = context.config.max_concurrent_per_tenant
-        raise ProtocolError("rate_limit", f"over max_concurrent_per_tenant={limit} requests in flight")
+    context.take_slot(tenant)
     try:
         handler = ProtocolHandler(builder, context.models.client_of(body), context.metrics)
         response = await handler.handle(body, lambda salt: context.engine_salt(tenant, salt), context.limits, answered)
@@ -70,12 +67,19 @@ router.add_api_route("/v1/messages", _generation(messages), methods=["POST"])
 @router.post("/v1/messages/count_tokens")
 @answers_in(messages.errors)
 async def count_tokens(request: Request) -> Response:
+    """Tokenizing is work like a generation's: it takes one of the tenant's slots, and its text is bounded first."""
     context = context_of(request)
-    await context.ready_caller(request)
+    tenant = await context.ready_caller(request)
     body = await read_json(request, context.config.max_request_bytes)
     engine = context.models.client_of(body)
     model = await engine.model_info()
     req: CountTokensRequest = parse(CountTokensRequest, body, model)
     prompt = req.prompt(format_for(model.tool_format), req.tool_plan())
-    count = await engine.prompts.count(GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None))
+    counted = GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None)
+    context.limits.check_characters(counted, model)
+    context.take_slot(tenant)
+    try:
+        count = await engine.prompts.count(counted)
+    finally:
+        context.slots.give_back(tenant)
     return JSONResponse({"input_tokens": count})

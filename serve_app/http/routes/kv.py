@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from serve_app.engine.io import GetKVConfig, LookupKV, RetrieveKV, StoreKV
-from serve_app.http.body import read_body, read_json
+from serve_app.http.body import check_media_type, read_body, read_json
 from serve_app.http.context import context_of
 from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.errors import ProtocolError, invalid
@@ -73,6 +73,7 @@ async def kv_retrieve(request: Request) -> Response:
 async def kv_store(request: Request) -> Response:
     context = context_of(request)
     tenant = await context.ready_caller(request, admin=True)
+    check_media_type(request, MEDIA_TYPE)
     kv, tokens, cache_salt = decode_kv(await read_body(request, context.config.max_kv_bytes, "max_kv_bytes"))
     if tokens is None:
         raise invalid("body: the safetensors file has no tensor named 'tokens'", "tokens")

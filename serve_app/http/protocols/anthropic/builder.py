@@ -9,7 +9,8 @@ from typing import Any
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput, Usage
 from serve_app.http.protocols.anthropic.schema import MessagesRequest, parse
-from serve_app.http.protocols.base import ResponseBuilder, ResponseFormatter, sse
+from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, ResponseFormatter, sse
+from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.errors import ErrorFormat, ProtocolError
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.served_models import adapter_of
@@ -102,6 +103,7 @@ _ERROR_TYPES = {
     "permission": "permission_error",
     "not_found": "not_found_error",
     "too_large": "request_too_large",
+    "unsupported_media_type": "invalid_request_error",
     "rate_limit": "rate_limit_error",
     "not_ready": "overloaded_error",
     "overloaded": "overloaded_error",
@@ -123,7 +125,7 @@ class MessagesBuilder(ResponseBuilder):
     errors = ERRORS
     stop_param = "stop_sequences"
 
-    def prepare(self, body: Any, model: ModelInfo) -> MessagesFormatter:
+    def prepare(self, body: Any, model: ModelInfo, limits: RequestLimits = DEFAULT_LIMITS) -> MessagesFormatter:
         req: MessagesRequest = parse(MessagesRequest, body, model)
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         prompt = req.prompt(tools, tool_plan)

@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, StreamDelta, StructuredOutput, TokenLogprob, Usage
-from serve_app.http.protocols.base import ResponseBuilder, ResponseFormatter, sse
+from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, ResponseFormatter, sse
+from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.errors import ErrorFormat, ProtocolError, invalid, refuse_fields, validate_body
 from serve_app.http.protocols.openai.schema import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, SamplingFields
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
@@ -30,6 +31,7 @@ _ERROR_TYPES = {
     "permission": "permission_error",
     "not_found": "not_found_error",
     "too_large": "invalid_request_error",
+    "unsupported_media_type": "invalid_request_error",
     "rate_limit": "rate_limit_error",
     "not_ready": "service_unavailable",
     "overloaded": "service_unavailable",
@@ -153,7 +155,7 @@ class ChatCompletionsBuilder(ResponseBuilder):
 
     errors = ERRORS
 
-    def prepare(self, body: Any, model: ModelInfo) -> ChatFormatter:
+    def prepare(self, body: Any, model: ModelInfo, limits: RequestLimits = DEFAULT_LIMITS) -> ChatFormatter:
         refuse_fields(body, UNSUPPORTED)
         req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
         lora = adapter_of(model, req.model)
@@ -162,6 +164,7 @@ class ChatCompletionsBuilder(ResponseBuilder):
         constraint = req.output_constraint(tools, tool_plan)
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        limits.check_choices(req.n)
         requests = [
             GenerateRequest(
                 messages=prompt.messages, tools=prompt.tools,
@@ -283,7 +286,7 @@ class CompletionsBuilder(ResponseBuilder):
 
     errors = ERRORS
 
-    def prepare(self, body: Any, model: ModelInfo) -> CompletionFormatter:
+    def prepare(self, body: Any, model: ModelInfo, limits: RequestLimits = DEFAULT_LIMITS) -> CompletionFormatter:
         refuse_fields(body, {**UNSUPPORTED, "response_format": "legacy completions take structured_outputs"})
         req: CompletionRequest = validate_body(CompletionRequest, body)
         lora = adapter_of(model, req.model)
@@ -292,6 +295,7 @@ class CompletionsBuilder(ResponseBuilder):
         if req.suffix:
             raise invalid("suffix: not supported by this model", "suffix")
         prompts = _prompts(req.prompt)
+        limits.check_choices(req.n, len(prompts))
         constraint = req.structured_output()
         requests = [
             GenerateRequest(prompt=prompt, **req.engine_fields(req.max_tokens, req.logprobs, choice, constraint, lora))

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput
-from serve_app.http.protocols.base import ResponseBuilder, ResponseFormatter, sse
+from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, ResponseFormatter, sse
+from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.errors import ProtocolError, refuse_fields, validate_body
 from serve_app.http.protocols.openai import ERRORS as OPENAI_ERRORS
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
@@ -70,7 +71,7 @@ class ResponsesBuilder(ResponseBuilder):
     def __init__(self, previous: StoredResponse | None = None) -> None:
         self.previous = previous
 
-    def prepare(self, body: Any, model: ModelInfo) -> ResponsesFormatter:
+    def prepare(self, body: Any, model: ModelInfo, limits: RequestLimits = DEFAULT_LIMITS) -> ResponsesFormatter:
         refuse_fields(body, UNSUPPORTED)
         req: ResponsesRequest = validate_body(ResponsesRequest, body)
         lora = adapter_of(model, req.model)
