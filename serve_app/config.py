@@ -160,6 +160,26 @@ class SpeculativeConfig(_Strict):
         return self
 
 
+class GrammarConfig(_Strict):
+    """What structured output may cost: a constraint's size and nesting are checked before it compiles, compiles
+    run on a pool of their own with a deadline, and compiled grammars are cached up to a byte bound."""
+
+    max_grammar_bytes: int = Field(
+        65536, ge=64, description="a constraint's text at most (its JSON schema, tools' schemas, regex or grammar)"
+    )
+    max_grammar_depth: int = Field(32, ge=2, description="how deeply a JSON schema (or tool schema) may nest")
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0, description="a constraint not compiled in this time is refused (400 naming its field)"
+    )
+    grammar_compile_threads: int = Field(1, ge=1, description="compiles running at once")
+    max_pending_compiles: int = Field(
+        8, ge=1, description="requests waiting for a compile at most; more are refused as overloaded"
+    )
+    grammar_cache_bytes: ByteSize = Field(
+        ByteSize(256 * 2**20), description="compiled grammars kept for reuse at most (least recently used out)"
+    )
+
+
 # The engine's flat options (`InferenceEngine(**options)`, the app's `engine_kwargs`): name -> (section, field).
 FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "model": ("model", "name"),
@@ -190,6 +210,12 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "max_consecutive_failed_steps": ("scheduler", "max_consecutive_failed_steps"),
     "kv_tiers": ("tiers", ""),  # the whole section: {host_bytes: 4GiB, disk_path: ..., cluster: true}
     "speculative_config": ("speculative", ""),  # the whole section: {method: ngram, num_speculative_tokens: 4}
+    "max_grammar_bytes": ("grammar", "max_grammar_bytes"),
+    "max_grammar_depth": ("grammar", "max_grammar_depth"),
+    "grammar_compile_timeout_s": ("grammar", "grammar_compile_timeout_s"),
+    "grammar_compile_threads": ("grammar", "grammar_compile_threads"),
+    "max_pending_compiles": ("grammar", "max_pending_compiles"),
+    "grammar_cache_bytes": ("grammar", "grammar_cache_bytes"),
     "log_level": ("logging", "log_level"),
     "log_stats_interval_s": ("logging", "log_stats_interval_s"),
 }
@@ -212,6 +238,7 @@ class EngineConfig(_Strict):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     tiers: KVTiersConfig = Field(default_factory=KVTiersConfig)
     speculative: SpeculativeConfig | None = None
+    grammar: GrammarConfig = Field(default_factory=GrammarConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")

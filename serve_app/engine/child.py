@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 
 from serve_app.config import EngineConfig
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import StreamDelta
+from serve_app.engine.io import EncodedRequest, StreamDelta
 from serve_app.engine.messages import (
     Abort,
     Accepted,
@@ -40,6 +40,7 @@ from serve_app.engine.messages import (
     ResendPages,
     Shutdown,
     Submit,
+    Withdraw,
     portable,
     receive,
     send,
@@ -69,8 +70,13 @@ class EngineChild:
         # Calls wait for the scheduler; they must not hold up submits, aborts or each other's replies.
         self._max_calls = engine.config.scheduler.max_pending_calls
         self._call_workers = ThreadPoolExecutor(max_workers=self._max_calls, thread_name_prefix="engine-call")
-        # Submits tokenize and may compile a grammar: off the reader, so aborts are read meanwhile.
+        # Submits may tokenize: off the reader, so aborts are read meanwhile. Those that compile a grammar wait on
+        # threads of their own (as many as may wait for a compile), so that they never hold up the others.
         self._submitters = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-submit")
+        self._max_compiling = engine.config.grammar.max_pending_compiles
+        self._constrained = ThreadPoolExecutor(max_workers=self._max_compiling, thread_name_prefix="engine-submit-grammar")
+        self._withdrawals: dict[int, threading.Event] = {}  # call id -> set when its caller has gone
+        self._withdrawals_lock = threading.Lock()
         self._calls_in_flight = threading.BoundedSemaphore(self._max_calls)
         self._pushed = Health(engine.get_stats(), engine.healthy)
         engine.loop.add_step_listener(self._flush)
@@ -100,15 +106,35 @@ class EngineChild:
         except (EOFError, OSError):
             logger.info("the host closed the connection; exiting")
         finally:
+            for event in list(self._withdrawals.values()):
+                event.set()  # compiles' waiters give up, so the pools shut down at once
             self._submitters.shutdown(wait=True, cancel_futures=True)
+            self._constrained.shutdown(wait=True, cancel_futures=True)
             self.engine.shutdown()
             self._call_workers.shutdown(wait=False, cancel_futures=True)
             self._flush()
 
-    def _handle(self, message: Submit | Abort) -> None:
+    def _handle(self, message: Submit | Abort | Withdraw | ResendPages) -> None:
         match message:
-            case Submit():
-                self._submitters.submit(self._submit, message)
+            case Submit(call_id, request):
+                asked = request.request if isinstance(request, EncodedRequest) else request
+                if asked.structured_output is None:
+                    self._submitters.submit(self._submit, message)
+                    return
+                with self._withdrawals_lock:
+                    if len(self._withdrawals) >= self._max_compiling:
+                        overloaded = EngineOverloadedError(
+                            f"the engine is overloaded: max_pending_compiles={self._max_compiling} requests wait for a grammar"
+                        )
+                        self._send_stream(Refused(call_id, overloaded))
+                        return
+                    withdrawn = self._withdrawals[call_id] = threading.Event()
+                self._constrained.submit(self._submit, message, withdrawn)
+            case Withdraw(call_id):
+                with self._withdrawals_lock:
+                    withdrawn = self._withdrawals.get(call_id)
+                if withdrawn is not None:
+                    withdrawn.set()
             case Abort(task_id):
                 self.engine.abort(task_id)
             case ResendPages():
@@ -117,13 +143,19 @@ class EngineChild:
             case _:
                 logger.error("unknown message %r", message)
 
-    def _submit(self, message: Submit) -> None:
+    def _submit(self, message: Submit, withdrawn: threading.Event | None = None) -> None:
         call_id = message.call_id
         try:  # tokenizes a GenerateRequest, compiles a grammar: no lock held
-            task = self.engine.queue(message.request, lambda _, delta: self._post(call_id, delta))
+            task = self.engine.queue(
+                message.request, lambda _, delta: self._post(call_id, delta), withdrawn.is_set if withdrawn else lambda: False
+            )
         except Exception as error:
             self._send_stream(Refused(call_id, portable(error)))
             return
+        finally:
+            if withdrawn is not None:
+                with self._withdrawals_lock:
+                    del self._withdrawals[call_id]
         # Its deltas are keyed by the call id the host already waits on, so they may go out before this.
         self._send_stream(Accepted(call_id, task.task_id))
 

@@ -108,7 +108,9 @@ class InferenceEngine(Conveniences):
         self.vocab_size = self.runner.vocab_size
         chosen = self.config.model.tool_call_format
         self.tool_format: ToolFormat = self.tokenizer.tool_format if chosen == "auto" else chosen
-        self.grammars = GrammarCompiler(self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids, self.config.grammar
+        )
         speculative = self.config.speculative
         self.scheduler = Scheduler(
             self.cache, self.config.scheduler, self.max_model_len, Speculator(speculative) if speculative is not None else None
@@ -169,17 +171,22 @@ class InferenceEngine(Conveniences):
         `cache_salt` as the engine salt. (A server encodes where its HTTP layer runs, with the tenant's salt.)"""
         return EncodedRequest(request, self.tokenizer.prompt_ids(request), request.cache_salt or "")
 
-    def submit(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
+    def submit(
+        self, request: GenerateRequest | EncodedRequest, withdrawn: Callable[[], bool] = lambda: False
+    ) -> GenerateResult:
         """Validate and queue one request (encoded here if it is not yet); its deltas gather in the result. Raises
         what `queue` raises, before queueing anything."""
         encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
         result = GenerateResult(task_id=-1, prompt_tokens=len(encoded.prompt_ids), _on_abandon=self.abort)
-        result.task_id = self.queue(encoded, lambda _, delta: result.publish(delta)).task_id  # -1 until queued
+        result.task_id = self.queue(encoded, lambda _, delta: result.publish(delta), withdrawn).task_id  # -1 until queued
         return result
 
-    def queue(self, request: GenerateRequest | EncodedRequest, out: DeltaSink) -> Task:
+    def queue(
+        self, request: GenerateRequest | EncodedRequest, out: DeltaSink, withdrawn: Callable[[], bool] = lambda: False
+    ) -> Task:
         """Check a request and queue it, its deltas to go to `out` (on the scheduler thread). Raises
-        InvalidRequestError for a request the engine will not run, EngineOverloadedError when too many wait."""
+        InvalidRequestError for a request the engine will not run, EngineOverloadedError when too many wait, and
+        CompileAbandoned when `withdrawn()` turns true while its grammar compiles."""
         encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
         request, prompt_ids = encoded.request, encoded.prompt_ids
         max_tokens = self._check_lengths(prompt_ids, request.max_tokens)
@@ -190,7 +197,7 @@ class InferenceEngine(Conveniences):
                 raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         params = request.sampling
         # Compiling a grammar takes milliseconds to a second: here, never on the scheduler thread.
-        matcher = self.grammars.matcher(request.structured_output) if request.structured_output else None
+        matcher = self.grammars.matcher(request.structured_output, withdrawn) if request.structured_output else None
         guard = self.grammars.guard(request)
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
@@ -248,7 +255,7 @@ class InferenceEngine(Conveniences):
         gone = threading.Event()
 
         def submit() -> GenerateResult:
-            result = self.submit(request)
+            result = self.submit(request, gone.is_set)
             if gone.is_set():
                 self.abort(result.task_id)
             return result
@@ -337,6 +344,7 @@ class InferenceEngine(Conveniences):
         if self._activity is not None:
             self._activity.stop()
         self.loop.stop()
+        self.grammars.shutdown()
         if self.tiers is not None:
             self.tiers.close()
 

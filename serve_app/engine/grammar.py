@@ -1,8 +1,12 @@
 """Grammars for structured output: xgrammar compiles a `StructuredOutput` over the model's tokenizer,
 and a `GrammarMatcher` per request masks the logits of each step to the tokens the grammar allows.
 
-Compiling happens where a request is submitted, never on the scheduler thread, and equal
-constraints compile once (xgrammar's cache). JSON is compiled without free whitespace, so a small
+Compiling happens where a request is submitted, never on the scheduler thread, and its cost is bounded
+before it starts: a constraint over `max_grammar_bytes` or nested deeper than `max_grammar_depth` is refused
+unread; compiles run on a pool of their own (`grammar_compile_threads`, at most `max_pending_compiles`
+waiting), a compile not done by `grammar_compile_timeout_s` is refused, and one whose request has gone is
+abandoned (a compile that has started runs to its end: the size bounds keep that short). Equal constraints
+compile once (xgrammar's cache, held to `grammar_cache_bytes`). JSON is compiled without free whitespace, so a small
 model cannot fill `max_tokens` with spaces. Tool calls in the generic format are a JSON schema (the
 calls, or the answer); in a template's own format, xgrammar's structural tag for that format
 (`get_model_structural_tag`), or that tag's calls beside the answer's schema.
@@ -13,15 +17,18 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_future
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from serve_app.engine.answer_guard import AnswerGuard
 from serve_app.engine.answer_reader import reader_for
+from serve_app.config import GrammarConfig
 from serve_app.engine.io import StructuredOutput, ToolCallGrammar
-from serve_app.errors import InvalidRequestError
+from serve_app.errors import EngineOverloadedError, InvalidRequestError
 
 if TYPE_CHECKING:
     import xgrammar
@@ -35,17 +42,28 @@ MAX_PARALLEL_CALLS = 4
 
 # xgrammar's errors start with a timestamp and a source location; the client needs only the rest.
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+# How often a request waiting for its compile looks whether it has gone.
+_WITHDRAWN_POLL_S = 0.05
+
+
+class CompileAbandoned(Exception):
+    """The request whose grammar was compiling has gone: nothing was queued for it."""
 
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer (loads xgrammar on first use) and makes matchers."""
 
-    def __init__(self, hf_tokenizer: object, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, hf_tokenizer: object, vocab_size: int, stop_token_ids: Sequence[int], config: GrammarConfig | None = None
+    ) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
+        self.config = config or GrammarConfig()
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(self.config.grammar_compile_threads, thread_name_prefix="grammar-compile")
+        self._waiting = threading.BoundedSemaphore(self.config.max_pending_compiles)
         quote = hf_tokenizer.encode('"', add_special_tokens=False)  # type: ignore[attr-defined]
         self.quote_token: int | None = quote[0] if len(quote) == 1 else None  # closes a JSON string in one token
 
@@ -55,13 +73,57 @@ class GrammarCompiler:
                 import xgrammar
 
                 info = xgrammar.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+                self._compiler = xgrammar.GrammarCompiler(
+                    info, max_threads=2, cache_enabled=True, cache_limit_bytes=int(self.config.grammar_cache_bytes)
+                )
             return self._compiler
 
-    def matcher(self, spec: StructuredOutput) -> xgrammar.GrammarMatcher:
-        """A fresh matcher for `spec`; InvalidRequestError naming `spec.param` when it cannot be compiled."""
+    @property
+    def cache_bytes(self) -> int:
+        """What the compiled grammars kept for reuse hold now."""
+        with self._lock:
+            return self._compiler.get_cache_size_bytes() if self._compiler is not None else 0
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def matcher(self, spec: StructuredOutput, withdrawn: Callable[[], bool] = lambda: False) -> xgrammar.GrammarMatcher:
+        """A fresh matcher for `spec`, once its size is checked and it compiled on the pool in time: InvalidRequestError
+        naming `spec.param` when it is too big or cannot be compiled, EngineOverloadedError when too many wait for a
+        compile, CompileAbandoned when `withdrawn()` says the request went away meanwhile."""
         import xgrammar
 
+        check_size(spec, self.config)
+        if not self._waiting.acquire(blocking=False):
+            raise EngineOverloadedError(
+                f"the engine is overloaded: max_pending_compiles={self.config.max_pending_compiles} requests wait for a grammar"
+            )
+        try:
+            compiled = self._wait(self._pool.submit(self._compile, spec), spec, withdrawn)
+        finally:
+            self._waiting.release()
+        return xgrammar.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids)
+
+    def _wait(self, future: Future, spec: StructuredOutput, withdrawn: Callable[[], bool]) -> xgrammar.CompiledGrammar:
+        timeout = self.config.grammar_compile_timeout_s
+        deadline = threading.Event()
+        timer = threading.Timer(timeout, deadline.set)
+        timer.start()
+        try:
+            while not wait_for_future([future], _WITHDRAWN_POLL_S).done:
+                if withdrawn():
+                    future.cancel()
+                    raise CompileAbandoned(f"{spec.param}: the request went away while its grammar compiled")
+                if deadline.is_set():
+                    future.cancel()
+                    raise InvalidRequestError(
+                        spec.param, f"did not compile within grammar_compile_timeout_s={timeout:g}: make it smaller"
+                    )
+        finally:
+            timer.cancel()
+        return future.result()
+
+    def _compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
         compiler = self._xgrammar()
         try:
             match spec.kind:
@@ -83,7 +145,7 @@ class GrammarCompiler:
         except (RuntimeError, ValueError) as error:
             message = _NOISE.sub("", str(error).strip()).split("\n")[0]
             raise InvalidRequestError(spec.param, f"cannot be enforced: {message}") from None
-        return xgrammar.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids)
+        return compiled
 
     def guard(self, request: GenerateRequest) -> AnswerGuard | None:
         """What holds `request`'s answer beyond its grammar (a JSON or tool-call answer's repeats and
@@ -123,6 +185,43 @@ class GrammarCompiler:
         masked = logits.clone()
         xgrammar.apply_token_bitmask_inplace(masked, bitmask.to(masked.device), vocab_size=self.vocab_size, indices=rows)
         return masked
+
+
+def check_size(spec: StructuredOutput, config: GrammarConfig) -> None:
+    """InvalidRequestError naming `spec.param` when the constraint is over `max_grammar_bytes` or a JSON schema in
+    it nests deeper than `max_grammar_depth`: what a compile costs grows with both."""
+    size = len(spec.key.encode("utf-8"))
+    if size > config.max_grammar_bytes:
+        raise InvalidRequestError(
+            spec.param, f"the constraint has {size} bytes, over max_grammar_bytes={config.max_grammar_bytes}"
+        )
+    depth = max((_depth(schema) for schema in _schemas(spec)), default=0)
+    if depth > config.max_grammar_depth:
+        raise InvalidRequestError(spec.param, f"it nests {depth} levels deep, over max_grammar_depth={config.max_grammar_depth}")
+
+
+def _schemas(spec: StructuredOutput) -> list[Any]:
+    """The JSON schemas in a constraint: its own, or its tools' and its answer's."""
+    if spec.json_schema is not None:
+        return [spec.json_schema]
+    if spec.tool_calls is not None:
+        answer = spec.tool_calls.answer_schema
+        return [tool.parameters for tool in spec.tool_calls.tools] + ([answer] if answer is not None else [])
+    return []
+
+
+def _depth(document: Any) -> int:
+    """How deeply JSON objects and arrays nest in `document` (a schema's constraint counts from its own top)."""
+    deepest, stack = 0, [(document, 0)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((value, level + 1) for value in node.values())
+        elif isinstance(node, list):
+            stack.extend((value, level + 1) for value in node)
+        else:
+            deepest = max(deepest, level)
+    return deepest
 
 
 def _allows(row: torch.Tensor, token: int) -> bool:

@@ -5,6 +5,7 @@ Two connections join them, so that a big answer never holds up a stream:
     stream channel, host -> engine          stream channel, engine -> host
     Submit(call_id, request)                Ready(...) or Failed(reason), once, first
     Abort(task_id)                          Accepted(call_id, task_id) or Refused(call_id, error)
+    Withdraw(call_id)
     ResendPages()                           Deltas([(call_id, StreamDelta), ...]), one per scheduler round
     Shutdown()                              Health(stats, healthy), when they change
                                             PagesChanged(batch), after a round that cached or evicted pages
@@ -57,6 +58,14 @@ class Submit:
 @dataclass(frozen=True)
 class Abort:
     task_id: int
+
+
+@dataclass(frozen=True)
+class Withdraw:
+    """The caller of submit `call_id` has gone before its `Accepted`: abandon its grammar's compile, queue nothing
+    (the engine answers `Refused`)."""
+
+    call_id: int
 
 
 @dataclass(frozen=True)
@@ -120,7 +129,7 @@ class Reply:
     value: Any
 
 
-ToEngine = Submit | Abort | ResendPages | Shutdown | Call
+ToEngine = Submit | Abort | Withdraw | ResendPages | Shutdown | Call
 FromEngine = Ready | Failed | Accepted | Refused | Deltas | Health | PagesChanged | Reply
 
 

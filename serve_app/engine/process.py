@@ -16,6 +16,7 @@ engine accepts for a caller that has gone is aborted there. The wire is `serve_a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -46,6 +47,7 @@ from serve_app.engine.messages import (
     Shutdown,
     Submit,
     ToEngine,
+    Withdraw,
     receive,
     send,
 )
@@ -157,6 +159,9 @@ class EngineProcess:
             stream.task_id = await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
             accepted.add_done_callback(self._abort_accepted)
+            if stream.call_id is not None:
+                with contextlib.suppress(EngineProcessError):  # nothing left to withdraw from
+                    self._post(self._stream_writer, Withdraw(stream.call_id))
             raise
         return stream
 
@@ -170,6 +175,7 @@ class EngineProcess:
 
         def message(call_id: int) -> Submit:
             self._requests[call_id] = stream  # under the lock, before the engine can send a delta
+            stream.call_id = call_id
             return Submit(call_id, request)
 
         return self._request(message, self._stream_writer), stream

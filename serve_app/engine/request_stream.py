@@ -19,6 +19,7 @@ class RequestStream:
 
     def __init__(self, abort: Callable[[int], None]) -> None:
         self.task_id: int | None = None  # set once the engine has accepted the request
+        self.call_id: int | None = None  # the host's submit call that asked for it
         self._abort = abort
         self._lock = threading.Condition()
         self._pending: list[StreamDelta] = []

@@ -75,6 +75,9 @@ def _refused(response: httpx.Response, status: int, param: str | None, words: st
         ("/v1/chat/completions", {"messages": [USER], "n": 10**9}, "n", "over max_n=16"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 20_000}]}, "messages", "max_prompt_characters=32768"),
         ("/v1/completions", {"prompt": "a" * 40_000}, "prompt", "over max_prompt_characters=32768"),
+        ("/v1/chat/completions", {"messages": [USER], "response_format": {"type": "json_schema", "json_schema": {
+            "name": "big", "schema": {"type": "string", "enum": [f"{i:060d}" for i in range(2000)]}}}},
+         "response_format.json_schema.schema", "over max_grammar_bytes=65536"),
     ],
 )
 def test_a_costly_shape_is_refused_before_its_work(server: InProcessServer, route: str, body: dict, param: str, words: str) -> None:
