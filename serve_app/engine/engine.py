@@ -155,7 +155,8 @@ class InferenceEngine(Conveniences):
         assert isinstance(self.cache, PageCache)
         layout = layout_key(self.runner.path, config.model.cache_dir, config.model.quantization, self.cache.page_size,
                             self.runner.kv_shape)
-        chain = TierChain(config.tiers, layout, self.loop.deliver_loaded, self._ray_tiers)
+        page_bytes = self.runner.kv_shape.bytes_per_token * self.cache.page_size
+        chain = TierChain(config.tiers, layout, page_bytes, self.loop.deliver_loaded, self._ray_tiers)
         self.cache.pool.record_published()
         self.scheduler.tiers = TierLoading(self.cache, chain)
         logger.info("KV tiers behind the pool: %s", ", ".join(source.name for source in chain.sources))

@@ -5,8 +5,11 @@ page file is recomputed; tenants never meet there; and the disk store's own boun
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import stat
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.idle import wait_idle
 from serve_app.kv.prefix_cache import page_hashes
-from serve_app.kv.tiers.disk import DiskStore
+from serve_app.kv.tiers.disk import _HEADER, _MAGIC, DiskStore
 from serve_app.kv.tiers.pages import page_keys
 
 PAGE = 16
@@ -91,9 +94,10 @@ def test_an_evicted_prefix_comes_back_from_disk_with_the_same_tokens(tiered: Inf
     assert stats["kv_tier_writes_dropped"] == 0 and stats["kv_tier_load_failures"] == 0
 
 
-@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "resized"])
 def test_a_damaged_page_file_is_recomputed_and_the_output_is_unchanged(tiered: InferenceEngine, damage: str) -> None:
-    ids = _prompt(tiered, 2 if damage == "flipped" else 3, 800)
+    """A flipped byte, a cut file, or a crafted page of another size with a valid header and checksum."""
+    ids = _prompt(tiered, {"flipped": 2, "truncated": 3, "resized": 6}[damage], 800)
     cold = _greedy(tiered, ids)
     _evict(tiered, ids)
     disk = _disk(tiered)
@@ -101,8 +105,11 @@ def test_a_damaged_page_file_is_recomputed_and_the_output_is_unchanged(tiered: I
     data = bytearray(path.read_bytes())
     if damage == "flipped":
         data[len(data) // 2] ^= 0xFF
-    else:
+    elif damage == "truncated":
         del data[len(data) // 2:]
+    else:
+        payload = bytes(data[_HEADER.size:]) * 2
+        data = bytearray(_HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload)
     path.write_bytes(bytes(data))
     corrupt = tiered.get_stats()["kv_tier_disk_corrupt_pages"]
     warm = _greedy(tiered, ids)
@@ -164,6 +171,21 @@ def test_the_disk_store_reads_a_run_up_to_its_first_bad_file(tmp_path: Path) -> 
     pages = store.read(keys)
     assert [int(page[0]) for page in pages] == [0]
     assert pages[0].flags.writeable  # the engine makes tensors of it
+    assert not store.path_of(keys[1]).exists() and store.usage().corrupt == 1
+
+
+def test_the_disk_store_is_the_servers_own_and_reads_only_pages_of_its_size(tmp_path: Path) -> None:
+    old = tmp_path / "kv"
+    (old / "ab").mkdir(parents=True, mode=0o755)
+    os.chmod(old, 0o755)
+    store = DiskStore(old, capacity_bytes=1 << 20, page_bytes=1000)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    store.write(keys, [_page(0), _page(1, size=999), _page(2)])
+    assert stat.S_IMODE(old.stat().st_mode) == 0o700 and stat.S_IMODE((old / "ab").stat().st_mode) == 0o700
+    for key in keys:
+        path = store.path_of(key)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert [int(page[0]) for page in store.read(keys)] == [0]  # the page of 999 bytes is a miss, deleted
     assert not store.path_of(keys[1]).exists() and store.usage().corrupt == 1
 
 

@@ -1,8 +1,10 @@
 """DiskStore: the disk tier, one file per page under `disk_path`, bounded by `disk_bytes`.
 
 A file is a header (magic, payload length, CRC-32 of the payload) and the page's bytes, written to a
-temporary name and renamed into place, so a reader never sees half a file. A file whose header, length
-or checksum is wrong is deleted and read as a miss: the engine recomputes those tokens. Files another
+temporary name and renamed into place, so a reader never sees half a file. The folders are the server's
+own (0700) and so are the files (0600): they hold every tenant's KV. A file whose header, length (the
+page size of this layout), or checksum is wrong is deleted, counted as corrupt and read as a miss: the
+engine recomputes those tokens. Files another
 engine wrote under the same folder are read too; the bound counts what this engine holds (the files it
 wrote, and those it found at start), least recently used out.
 """
@@ -28,15 +30,19 @@ logger = logging.getLogger(__name__)
 _MAGIC = b"SAKV1\x00"
 _HEADER = struct.Struct(f"<{len(_MAGIC)}sQI")  # magic, payload length, crc32 of the payload
 _SUFFIX = ".kvpage"
+_PRIVATE_FOLDER = 0o700
+_PRIVATE_FILE = 0o600
 
 
 class DiskStore(PageStore):
     name = "disk"
 
-    def __init__(self, folder: Path, capacity_bytes: int) -> None:
+    def __init__(self, folder: Path, capacity_bytes: int, page_bytes: int | None = None) -> None:
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True, mode=_PRIVATE_FOLDER)
+        os.chmod(self.folder, _PRIVATE_FOLDER)  # a folder made before, or by a umask that opened it
         self.capacity = capacity_bytes
+        self.page_bytes = page_bytes  # every page's payload size, where known
         self._sizes: OrderedDict[PageKey, int] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._evictions = 0
@@ -49,10 +55,14 @@ class DiskStore(PageStore):
         return self.folder / name[-2:] / f"{name}{_SUFFIX}"
 
     def _adopt_existing(self) -> None:
-        """Count the files a previous engine left here, oldest first, so the bound covers them."""
+        """Count the files a previous engine left here, oldest first, so the bound covers them (and make them the
+        server's own, as this engine writes them)."""
         found = []
+        for folder in self.folder.glob("*/"):
+            os.chmod(folder, _PRIVATE_FOLDER)
         for path in self.folder.glob(f"*/*{_SUFFIX}"):
             try:
+                os.chmod(path, _PRIVATE_FILE)
                 stat = path.stat()
                 found.append((stat.st_mtime, bytes.fromhex(path.name.removesuffix(_SUFFIX)), stat.st_size))
             except (OSError, ValueError):
@@ -91,7 +101,8 @@ class DiskStore(PageStore):
         if len(raw) >= payload_at:
             magic, length, checksum = _HEADER.unpack_from(raw)
             payload = memoryview(raw)[payload_at:]
-            if magic == _MAGIC and length == len(payload) and zlib.crc32(payload) == checksum:
+            right_size = length == len(payload) and (self.page_bytes is None or length == self.page_bytes)
+            if magic == _MAGIC and right_size and zlib.crc32(payload) == checksum:
                 with self._lock:
                     if key in self._sizes:
                         self._sizes.move_to_end(key)
@@ -110,9 +121,10 @@ class DiskStore(PageStore):
                     continue
             path = self.path_of(key)
             payload = memoryview(np.ascontiguousarray(page)).cast("B")
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(exist_ok=True, mode=_PRIVATE_FOLDER)
             staging = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-            with open(staging, "wb") as file:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+            with open(os.open(staging, flags, _PRIVATE_FILE), "wb") as file:
                 file.write(_HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)))
                 file.write(payload)
             os.replace(staging, path)

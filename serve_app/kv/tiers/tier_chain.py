@@ -48,12 +48,14 @@ class TierChain:
         self,
         config: KVTiersConfig,
         layout: bytes,
+        page_bytes: int,
         on_loaded: Callable[[LoadedPages], None],
         ray_tiers: RayTiers | None = None,
     ) -> None:
         self.layout = layout
+        self.page_bytes = page_bytes  # what every page of this layout holds; a page of another size is not loaded
         self._on_loaded = on_loaded
-        self.stores, self.sources = _tiers(config, ray_tiers)
+        self.stores, self.sources = _tiers(config, ray_tiers, page_bytes)
         self.writes_dropped = 0
         self.load_failures = 0
         self._queued_bytes = 0
@@ -104,6 +106,13 @@ class TierChain:
                 progressed = False
                 for source in self.sources:
                     pages = source.read(keys[len(data):])
+                    whole = next((i for i, page in enumerate(pages) if page.nbytes != self.page_bytes), len(pages))
+                    if whole < len(pages):  # a page of another size would not fit the pool: read it as a miss
+                        logger.warning("the %s tier gave a page of %d bytes, not %d: it is recomputed",
+                                       source.name, pages[whole].nbytes, self.page_bytes)
+                        with self._lock:
+                            self.load_failures += 1
+                        pages = pages[:whole]
                     if pages:
                         data += pages
                         tiers += [source.name] * len(pages)
@@ -149,7 +158,9 @@ class TierChain:
         self._loaders.shutdown(wait=False, cancel_futures=False)
 
 
-def _tiers(config: KVTiersConfig, ray_tiers: RayTiers | None) -> tuple[list[PageStore], list[PageSource]]:
+def _tiers(
+    config: KVTiersConfig, ray_tiers: RayTiers | None, page_bytes: int
+) -> tuple[list[PageStore], list[PageSource]]:
     stores: list[PageStore] = []
     others: list[PageSource] = []
     if config.needs_ray:
@@ -160,5 +171,5 @@ def _tiers(config: KVTiersConfig, ray_tiers: RayTiers | None) -> tuple[list[Page
             )
         stores, others = ray_tiers(config)
     if config.disk_path is not None:
-        stores.append(DiskStore(Path(config.disk_path), int(config.disk_bytes)))
+        stores.append(DiskStore(Path(config.disk_path), int(config.disk_bytes), page_bytes))
     return stores, [*stores, *others]
