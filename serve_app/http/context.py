@@ -41,7 +41,7 @@ class ServerContext:
 
     def caller(self, request: Request, admin: bool = False) -> Tenant:
         """Who sent `request` (`Authorization: Bearer <key>` or `x-api-key`): 401 when unknown, 403 when not admin."""
-        key = request.headers.get("x-api-key")
+        key = request.headers.get("x-api-key") or None  # an empty one hides no Bearer key
         authorization = request.headers.get("authorization", "")
         if key is None and authorization.lower().startswith("bearer "):
             key = authorization[7:].strip()

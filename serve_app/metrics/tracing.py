@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -33,7 +34,16 @@ def configure(endpoint: str | None, service: str) -> None:
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=1000))
     _tracer, _endpoint = provider.get_tracer("serve_app"), endpoint
-    logger.info("tracing: spans of %s go to %s", service, endpoint)
+    logger.info("tracing: spans of %s go to %s", service, without_credentials(endpoint))
+
+
+def without_credentials(url: str) -> str:
+    """`url` as it may be logged: its user and password, query and fragment (where tokens ride) left out."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def tracer() -> trace.Tracer:

@@ -92,6 +92,16 @@ def test_missing_or_unknown_keys_get_401_in_each_protocol_shape(server: InProces
     assert message.status_code == 200 and message.json()["type"] == "message"
     response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers={"x-api-key": "key-b"})
     assert response.status_code == 200
+    # An empty x-api-key (a client library's default) does not hide the Bearer key.
+    both = {"x-api-key": "", "Authorization": "Bearer key-a"}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat, headers=both).status_code == 200
+
+
+def test_a_traces_endpoint_is_logged_without_its_credentials() -> None:
+    from serve_app.metrics.tracing import without_credentials
+
+    logged = without_credentials("https://user:s3cret@collector.example:4318/v1/traces?token=abc#x")
+    assert logged == "https://collector.example:4318/v1/traces"
 
 
 def test_health_is_open_and_admin_routes_need_an_admin(server: InProcessServer) -> None:
