@@ -3,20 +3,19 @@ with the ReplicaBoard and the Responses API's ResponseStore."""
 
 from __future__ import annotations
 
-import os
-import secrets
+from dataclasses import asdict
 from typing import Any
 
 from pydantic import ValidationError
 from ray.serve import Application
 
+from deployments.access import read_access, serve_http_host
 from deployments.app_args import AppConfig
 from deployments.engine import EngineDeployment
 from deployments.ingress import Ingress
 from deployments.model_copy import check_model
 from deployments.replica_board import ReplicaBoard
 from deployments.response_store import ResponseStoreDeployment
-from serve_app.http.tenants import KEYS_ENV
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -31,14 +30,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         raise ValueError(f"invalid serve_app application args:\n{error}") from None
     for llm in config.llm_configs:
         check_model(llm.model_loading_config.source)
-    # Every ingress replica must derive the same salts and know the same keys.
-    server = config.server.model_copy(
-        update={
-            "api_keys_file": config.server.api_keys_file or os.environ.get(KEYS_ENV),
-            "cache_salt_secret": config.server.cache_salt_secret or secrets.token_hex(32),
-        }
-    )
-    config = config.model_copy(update={"server": server})
+    # Read here, once: every ingress replica, on any node, knows the same keys and derives the same salts.
+    access = read_access(config.server, serve_http_host())
+    server = config.server
     board = ReplicaBoard.bind()
     engines = {
         llm.model_id: EngineDeployment.options(name=llm.deployment_name, **llm.deployment_config).bind(
@@ -47,4 +41,4 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         for llm in config.llm_configs
     }
     responses = ResponseStoreDeployment.bind(server.max_stored_responses, server.stored_response_max_age_s)
-    return Ingress.bind(engines, board, responses, config.model_dump(mode="json", exclude_defaults=True))
+    return Ingress.bind(engines, board, responses, config.model_dump(mode="json", exclude_defaults=True), asdict(access))

@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle
 
+from deployments.access import ServerAccess
 from deployments.app_args import AppConfig
 from deployments.model_copy import model_here
 from deployments.ray_metrics import RayMetrics
@@ -31,7 +32,6 @@ from serve_app.http.engine_client import EngineClient, unwrap
 from serve_app.http.prompt_encoder import PromptEncoder
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.served_models import ServedModels
-from serve_app.http.tenants import TenantDirectory
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import REQUEST_METRICS
 from serve_app.metrics.prometheus import ServerMetrics
@@ -140,12 +140,13 @@ class Ingress:
         board: DeploymentHandle,
         responses: DeploymentHandle,
         config: dict[str, Any],
+        access: dict[str, Any],
     ) -> None:
-        """`engines`: each model's engine deployment, by model id."""
+        """`engines`: each model's engine deployment, by model id; `access`: the `ServerAccess` read at build."""
         app_config = AppConfig.model_validate(config)
         server = app_config.server
         tracing.configure(server.otlp_traces_endpoint, "serve-app-ingress")
-        tenants = TenantDirectory.from_config(server.api_keys_file, server.cache_salt_secret)
+        tenants = ServerAccess(**access).tenants()
         clients = {}
         for model_id, engine in engines.items():
             model = app_config.model(model_id).engine().model  # its tokenizer, prepared on this node

@@ -299,7 +299,17 @@ class ServerConfig(_Strict):
     api_keys_file: str | None = Field(
         None, description="YAML or JSON: API key -> {tenant, role}; default: the file SERVE_APP_API_KEYS names"
     )
-    cache_salt_secret: str | None = Field(None, description="the HMAC secret of cache salts; made at start when unset")
+    cache_salt_secret: str | None = Field(
+        None, description="the HMAC secret of cache salts; unset: cache_salt_secret_file, else one kept in the cache folder"
+    )
+    cache_salt_secret_file: str | None = Field(
+        None, description="a file holding the HMAC secret of cache salts (a mounted Secret), read where the app is built"
+    )
+    open_mode_admin: Literal["loopback", "anywhere"] = Field(
+        "loopback",
+        description="without API keys, who may use the KV and admin routes: every caller where Serve's HTTP host is a "
+        "loopback address (loopback), or wherever it listens (anywhere); elsewhere only generation is served",
+    )
     max_stored_responses: int = Field(
         1000, ge=0, description="Responses-API responses kept per tenant for previous_response_id; 0: none"
     )

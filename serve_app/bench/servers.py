@@ -168,7 +168,8 @@ class ServeRun:
     names it), `models` (the app's `llm_configs`, each entry laid over the config's first one; default: that
     one model), whose `engine_kwargs` and `deployment_config` are merged over that one's updated with
     `engine_kwargs` and `engine_deployment`; `args` (the server's options), `deployments` (name -> options of
-    the other deployments) and `proxy_location`. `model_id` is the first model's served name.
+    the other deployments), `proxy_location` and `host` (`http_options.host`; its URL stays on loopback).
+    `model_id` is the first model's served name.
 
     It runs in a user's environment (`users_environment`) with the speed settings of `make serve`
     (`serve_env()`) on top, through `serve-app serve`; or with `plain=True` without them: the card's own
@@ -193,10 +194,13 @@ class ServeRun:
         engine_deployment: dict | None = None,
         args: dict | None = None,
         model: str | None = None,
+        host: str | None = None,
     ) -> None:
         config = yaml.safe_load((config_path or ROOT / "serve_config.yaml").read_text())
         self.port = free_port()
         config["http_options"]["port"] = self.port
+        if host is not None:
+            config["http_options"]["host"] = host
         if proxy_location is not None:
             config["proxy_location"] = proxy_location
         app = config["applications"][0]

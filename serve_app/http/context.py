@@ -49,6 +49,12 @@ class ServerContext:
         if tenant is None:
             raise ProtocolError("authentication", "a valid API key is required (Authorization: Bearer or x-api-key)")
         if admin and not tenant.is_admin:
+            if not self.tenants.auth_enabled:
+                raise ProtocolError(
+                    "permission",
+                    "without API keys this route is served only where the server listens on a loopback address: "
+                    "configure API keys (SERVE_APP_API_KEYS), or set open_mode_admin: anywhere",
+                )
             raise ProtocolError("permission", "this route needs an admin API key")
         return tenant
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import logging
-import os
 import secrets
 import unicodedata
 from collections.abc import Mapping
@@ -22,8 +20,6 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
-
-logger = logging.getLogger(__name__)
 
 KEYS_ENV = "SERVE_APP_API_KEYS"
 MAX_CLIENT_SALT = 128
@@ -40,8 +36,10 @@ class Tenant:
         return self.role == "admin"
 
 
-# Who every caller is when no keys are configured (the server runs open, for local use).
+# Who every caller is when no keys are configured (the server runs open, for local use): an admin where only this
+# machine can reach the server, else `OPEN_GENERATION` (generation only, no KV or admin routes).
 OPEN = Tenant(id="", role="admin")
+OPEN_GENERATION = Tenant(id="", role="user")
 
 
 class _KeyEntry(BaseModel):
@@ -89,32 +87,32 @@ def check_client_salt(salt: str) -> str:
 class TenantDirectory:
     """Authenticates callers by API key and derives their cache salts."""
 
-    def __init__(self, keys: dict[str, Tenant], secret: str) -> None:
+    def __init__(self, keys: dict[str, Tenant], secret: str, open_tenant: Tenant = OPEN) -> None:
         self._keys = keys
         self._secret = secret.encode("utf-8")
+        self.open_tenant = open_tenant  # who every caller is without keys
 
     @classmethod
     def open(cls) -> TenantDirectory:
         """No keys: every caller is the one open tenant."""
         return cls({}, secrets.token_hex(32))
 
-    @classmethod
-    def from_config(cls, keys_file: str | None, secret: str | None) -> TenantDirectory:
-        """Keys from `keys_file` (default: the file `SERVE_APP_API_KEYS` names); none means open."""
-        path = keys_file or os.environ.get(KEYS_ENV)
-        keys = load_keys(Path(path)) if path else {}
-        if not keys:
-            logger.warning("no API keys configured (%s unset): the server is open to anyone who can reach it", KEYS_ENV)
-        return cls(keys, secret or secrets.token_hex(32))
-
     @property
     def auth_enabled(self) -> bool:
         return bool(self._keys)
 
+    def key_entries(self) -> dict[str, dict[str, str]]:
+        """The keys as `load_keys` reads them (`{sha256 hex: {tenant, role}}`): what a replica is handed."""
+        return {digest: {"tenant": t.id, "role": t.role} for digest, t in self._keys.items()}
+
+    @staticmethod
+    def keys_from_entries(entries: Mapping[str, Mapping[str, str]]) -> dict[str, Tenant]:
+        return {digest: Tenant(entry["tenant"], entry["role"]) for digest, entry in entries.items()}  # type: ignore[arg-type]
+
     def authenticate(self, key: str | None) -> Tenant | None:
         """The caller's tenant; None for a missing or unknown key while auth is on."""
         if not self._keys:
-            return OPEN
+            return self.open_tenant
         if not key:
             return None
         return self._keys.get(key_digest(key))

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from serve_app import InferenceEngine
 from serve_app.http.response_store import ResponseStore, StoredResponse
-from serve_app.http.tenants import TenantDirectory
+from serve_app.http.tenants import TenantDirectory, load_keys
 from serve_app.http.tools.plan import Turn
 from tests.agent_runs import weather_agent_answer
 from tests.inprocess import MODEL, InProcessServer, engine_server
@@ -197,7 +197,7 @@ def test_what_is_not_supported_is_a_400_naming_it(server: InProcessServer, extra
 def test_a_tenant_never_sees_another_tenants_stored_responses(engine: InferenceEngine, tmp_path) -> None:
     keys = tmp_path / "keys.yaml"
     keys.write_text(yaml.safe_dump({"key-a": {"tenant": "acme"}, "key-b": {"tenant": "globex"}}))
-    with engine_server(engine, tenants=TenantDirectory.from_config(str(keys), secret="s")) as srv:
+    with engine_server(engine, tenants=TenantDirectory(load_keys(keys), "s")) as srv:
         acme, globex = (openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, max_retries=0) for key in ("key-a", "key-b"))
         mine = acme.responses.create(model=MODEL, input="Hello.", max_output_tokens=4)
         assert acme.responses.retrieve(mine.id).id == mine.id

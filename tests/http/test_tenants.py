@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import stat
+from dataclasses import asdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,9 @@ import pytest
 import yaml
 
 from serve_app import InferenceEngine
-from serve_app.http.tenants import OPEN, Tenant, TenantDirectory, key_digest, load_keys
+from deployments.access import ServerAccess, read_access
+from serve_app.config import ServerConfig
+from serve_app.http.tenants import OPEN, OPEN_GENERATION, Tenant, TenantDirectory, key_digest, load_keys
 from tests.inprocess import MODEL, InProcessServer, engine_server
 from tests.prompts import _PASSAGE
 
@@ -29,7 +33,7 @@ KEYS = {
 def server(engine: InferenceEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     keys_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
     keys_file.write_text(yaml.safe_dump(KEYS))
-    tenants = TenantDirectory.from_config(str(keys_file), secret="test-secret")
+    tenants = TenantDirectory(load_keys(keys_file), "test-secret")
     with engine_server(engine, tenants=tenants) as srv:
         yield srv
 
@@ -52,12 +56,46 @@ def test_keys_load_from_yaml_and_json_with_hashed_entries(tmp_path: Path) -> Non
         load_keys(bad)
 
 
-def test_without_keys_the_server_is_open_and_says_so(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+@pytest.mark.parametrize(("host", "mode", "admin"), [
+    ("127.0.0.1", "loopback", True), ("localhost", "loopback", True), ("::1", "loopback", True),
+    ("0.0.0.0", "loopback", False), ("10.0.0.5", "loopback", False), (None, "loopback", False),
+    ("0.0.0.0", "anywhere", True),
+])
+def test_without_keys_the_server_is_open_and_says_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, host: str | None, mode: str, admin: bool
+) -> None:
+    """Open mode serves the KV and admin routes only where nobody else reaches the server, unless the config opts in."""
     monkeypatch.delenv("SERVE_APP_API_KEYS", raising=False)
+    monkeypatch.setenv("SERVE_APP_CACHE_DIR", str(tmp_path))
     with caplog.at_level(logging.WARNING):
-        tenants = TenantDirectory.from_config(None, None)
-    assert not tenants.auth_enabled and tenants.authenticate(None) == OPEN
+        access = read_access(ServerConfig(open_mode_admin=mode), host)
+    tenants = access.tenants()
+    assert not tenants.auth_enabled and tenants.authenticate(None) == (OPEN if admin else OPEN_GENERATION)
     assert "no API keys configured" in caplog.text
+    assert ("serving generation only" in caplog.text) is not admin
+
+
+def test_keys_and_the_salt_secret_are_read_once_at_build_and_the_secret_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump(KEYS))
+    monkeypatch.setenv("SERVE_APP_API_KEYS", str(keys))
+    monkeypatch.setenv("SERVE_APP_CACHE_DIR", str(tmp_path / "cache"))
+    first = read_access(ServerConfig(), "0.0.0.0")
+    keys.unlink()  # a replica never reads the file: it is handed the digests
+    tenants = ServerAccess(**asdict(first)).tenants()
+    assert tenants.authenticate("key-a") == Tenant("acme", "user") and tenants.authenticate("sk-nope") is None
+    assert "key-a" not in json.dumps(asdict(first))  # only digests travel
+    kept = tmp_path / "cache" / "cache-salt-secret"
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    monkeypatch.delenv("SERVE_APP_API_KEYS")
+    again = read_access(ServerConfig(), "127.0.0.1")  # a later deploy derives the same salts
+    assert again.secret == first.secret == kept.read_text()
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("from-a-secret\n")
+    assert read_access(ServerConfig(cache_salt_secret_file=str(secret_file)), None).secret == "from-a-secret"
+    assert read_access(ServerConfig(cache_salt_secret="given"), None).secret == "given"
 
 
 def test_salts_depend_on_tenant_client_salt_and_secret() -> None:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from serve_app import InferenceEngine
-from serve_app.http.tenants import TenantDirectory
+from serve_app.http.tenants import TenantDirectory, load_keys
 from tests.browser import needs_chromium
 from tests.inprocess import MODEL, InProcessServer, engine_server, openai_client
 
@@ -88,7 +88,7 @@ def test_the_json_schema_and_tool_modes_answer_in_their_form(server: InProcessSe
 def keyed(engine: InferenceEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
     keys.write_text(yaml.safe_dump({"page-user": {"tenant": "acme"}, "page-admin": {"tenant": "ops", "role": "admin"}}))
-    with engine_server(engine, tenants=TenantDirectory.from_config(str(keys), secret="s")) as server:
+    with engine_server(engine, tenants=TenantDirectory(load_keys(keys), "s")) as server:
         yield server
 
 
