@@ -46,21 +46,46 @@ def test_each_pod_template_is_valid_kubernetes(where: str) -> None:
     assert all(isinstance(value, str) for value in group["rayStartParams"].values())  # KubeRay takes strings
 
 
-def test_the_serve_config_is_the_cards_app_on_a_cluster() -> None:
+def test_the_serve_config_is_the_cards_app_on_a_cluster(tmp_path: Path) -> None:
+    (tmp_path / "keys.yaml").write_text(yaml.safe_dump({"sk-test": {"tenant": "t"}}))
+    (tmp_path / "secret").write_text("s")
     config = _serve_config()
     app = config.applications[0]
     card = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "serve_config.yaml").read_text())).applications[0]
     assert (app.import_path, app.route_prefix) == (card.import_path, card.route_prefix)
     (model,), (card_model,) = app.args["llm_configs"], card.args["llm_configs"]
-    for key in ("model_loading_config", "engine_kwargs", "lora_config"):
+    for key in ("model_loading_config", "engine_kwargs", "lora_config"):  # the keys and secret: the cluster's own
         assert model.get(key) == card_model.get(key), key
     # The same engine deployment but its size: on the cluster it scales over the worker group's pods.
     resized = ("autoscaling_config", "ray_actor_options")
     same = [(k, v) for k, v in model["deployment_config"].items() if k not in resized]
     assert same == [(k, v) for k, v in card_model["deployment_config"].items() if k not in resized]
     assert config.http_options.host == "0.0.0.0"  # reachable through the pod's service, not loopback only
-    build_app(app.args)  # the args validate as the app's
+    secrets = {"api_keys_file": "keys.yaml", "cache_salt_secret_file": "secret"}
+    build_app({**app.args, **{key: str(tmp_path / name) for key, name in secrets.items()}})  # the args validate
+    # as the app's (the Secret's files in a folder of this test's)
     assert {d.name for d in app.deployments} == {d.name for d in card.deployments}
+
+
+def test_the_manifest_ships_closed() -> None:
+    """API keys and the salt secret from a Secret on every pod, Ray's token auth on, the dashboard not on every
+    interface: the open mode a laptop has is never what a cluster gets."""
+    app = _serve_config().applications[0]
+    assert app.args["api_keys_file"] == "/etc/serve-app/api-keys.yaml"
+    assert app.args["cache_salt_secret_file"] == "/etc/serve-app/cache-salt-secret"
+    assert "open_mode_admin" not in app.args
+    assert CLUSTER["authOptions"] == {"mode": "token"}
+    head = CLUSTER["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "$MY_POD_IP"
+    for group in [head, *CLUSTER["workerGroupSpecs"]]:
+        spec = group["template"]["spec"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "access"]
+        assert volume["secret"]["secretName"] == "serve-app-access" and volume["secret"]["defaultMode"] == 0o400
+        for container in spec["containers"]:
+            mounts = {m["name"]: m for m in container["volumeMounts"]}
+            assert mounts["access"]["mountPath"] == "/etc/serve-app" and mounts["access"]["readOnly"]
+    pod_ip = {e["name"]: e for e in head["template"]["spec"]["containers"][0]["env"]}["MY_POD_IP"]
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
 
 
 def test_the_engine_worker_group_fits_the_engine_replicas_it_scales_to() -> None:
