@@ -26,6 +26,9 @@ from serve_app.engine.task import Task
 
 logger = logging.getLogger(__name__)
 
+# What a client is told when its token could not be sampled (the exception is in the engine's log).
+SAMPLING_FAILED = "sampling this request's next token failed (the engine's log says why)"
+
 @dataclass(frozen=True)
 class Emitted:
     """One task's outcome of a step: its new tokens as one delta (ending it, if it has a finish reason),
@@ -59,7 +62,7 @@ class TokenEmitter:
             going_on = []
             for i, task, token, logprob, draft, error in zip(live, group, tokens.tolist(), logprobs, drafts, errors):
                 if error is not None:
-                    deltas[i].append(StreamDelta("", (), "error", error=f"sampling failed: {error}"))
+                    deltas[i].append(StreamDelta("", (), "error", error=SAMPLING_FAILED))
                     continue
                 delta = task.accept(int(token), self.max_model_len, logprob)
                 deltas[i].append(delta)
@@ -73,7 +76,7 @@ class TokenEmitter:
     def _sample_isolated(
         self, rows: torch.Tensor, tasks: list[Task], drafts: list[int | None]
     ) -> tuple[torch.Tensor, list[str | None]]:
-        """Each row's token, and for each row the error that kept it from one (None where it has one)."""
+        """Each row's token, and for each row the error that kept it from one (None where it has one), logged."""
         try:
             return self._sample(rows, tasks, drafts), [None] * len(tasks)
         except Exception as error:  # one row's parameters or grammar: find it, and let the others go on

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# What a client is told of a step that failed for its request; what failed is the engine's log's, not the client's.
+STEP_FAILED = "the engine failed while running this request (its log says why)"
+
 
 class EngineLoop:
     """Only its thread touches tasks and the cache; every other method may be called from any thread."""
@@ -149,10 +152,10 @@ class EngineLoop:
             scheduler.offload()  # what the calls published (a KV store), before a step can evict it
             try:
                 self._round()
-            except Exception as exc:  # a failed round must not stop the loop; its tasks fail instead
+            except Exception:  # a failed round must not stop the loop; its tasks fail instead
                 logger.exception("engine step failed")
                 self._failed_steps += 1
-                scheduler.fail_running(f"engine step failed: {exc}")
+                scheduler.fail_running(STEP_FAILED)
             scheduler.offload()
             self._notify_step_listeners()
         with self._wake:
@@ -195,9 +198,9 @@ class EngineLoop:
             try:
                 self.step.run(single)
                 ran = True
-            except Exception as exc:
+            except Exception:
                 logger.exception("task %d failed", task.task_id)
-                self.scheduler.finish(task, StreamDelta("", (), "error", error=f"engine step failed: {exc}"))
+                self.scheduler.finish(task, StreamDelta("", (), "error", error=STEP_FAILED))
         if ran:
             self._failed_steps = 0
         return ran
