@@ -51,7 +51,9 @@ class EngineDeployment:
             child="deployments.engine_child",
         )
         engine = self.engine
-        self.info = ModelInfo(llm_config.model_id, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size)
+        self.info = ModelInfo(
+            llm_config.model_id, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size, config.grammar
+        )
         self._page_size = config.cache.page_size
         self._board = board
         replica = serve.get_replica_context().replica_id

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve_app.config import ToolFormat
+from serve_app.config import GrammarConfig, ToolFormat
 
 if TYPE_CHECKING:
     import torch
@@ -407,3 +407,4 @@ class ModelInfo:
     created: int
     tool_format: ToolFormat
     vocab_size: int  # token ids a request may name are below it
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # what a request's constraint may cost

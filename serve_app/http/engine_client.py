@@ -70,7 +70,9 @@ class LocalEngineClient(EngineClient):
     def __init__(self, engine: InferenceEngine, served_name: str) -> None:
         self.engine = engine
         self.prompts = PromptEncoder(engine.tokenizer)
-        self.info = ModelInfo(served_name, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size)
+        self.info = ModelInfo(
+            served_name, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size, engine.config.grammar
+        )
 
     async def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from serve_app.cli.bench_commands import (
+    abuse,
     clients,
     compare,
     decode_kernel,
@@ -24,7 +25,7 @@ from serve_app.cli.bench_commands import (
     tiers,
 )
 
-COMMANDS = [engine, compare, serve, prefix, tiers, spec, soak, start, process_cpu, decode_kernel, structured, lora, clients, quant, gpu_check, route]
+COMMANDS = [engine, compare, serve, prefix, tiers, spec, soak, abuse, start, process_cpu, decode_kernel, structured, lora, clients, quant, gpu_check, route]
 
 
 def add_bench(commands: argparse._SubParsersAction) -> None:

@@ -8,8 +8,9 @@ import json
 from dataclasses import dataclass
 
 from serve_app.config import ServerConfig
-from serve_app.engine.io import GenerateRequest, ModelInfo
-from serve_app.http.protocols.errors import invalid
+from serve_app.engine.grammar_bounds import check_size
+from serve_app.engine.io import GenerateRequest, ModelInfo, RequestRefused
+from serve_app.http.protocols.errors import ProtocolError, invalid
 from serve_app.http.protocols.prepared import PreparedRequest
 
 # Without `max_prompt_characters`, a prompt may have this many characters per token of the model's context:
@@ -89,6 +90,11 @@ class RequestLimits:
         for request in prepared.requests[:: prepared.choices_per_prompt]:
             self.check_characters(request, model, messages_param)
             check_vocabulary(request, model.vocab_size)
+            if request.structured_output is not None:  # refused here, before it is tokenized, routed or compiled
+                try:
+                    check_size(request.structured_output, model.grammar)
+                except RequestRefused as refused:
+                    raise ProtocolError.of(refused) from None
         asked = first.max_tokens
         spec = first.structured_output
         if asked is None and self.max_constrained_tokens is not None and spec is not None and spec.is_json:
