@@ -32,6 +32,7 @@ from serve_app.bench.prompts import make_prompts
 from serve_app.bench.servers import ServeRun
 from serve_app.bench.stats import percentile
 
+WARM_UP_S = 5.0
 VICTIM_KEY, ATTACKER_KEY, ADMIN_KEY = "sk-victim", "sk-attacker", "sk-operator"
 KEYS = {
     VICTIM_KEY: {"tenant": "victim"},
@@ -49,6 +50,7 @@ class Shape:
     body: Callable[[str], Any]
     expected: tuple[int, ...]
     content_type: str = "application/json"
+    fresh: bool = False  # a new body each time (else one, made before the loop: the load generator shares the CPU)
 
 
 def _chat(model: str, **extra: Any) -> dict:
@@ -68,7 +70,7 @@ def _nested(depth: int) -> dict:
 
 _counter = itertools.count()  # makes each "distinct" schema new to the server
 ENUM_2000 = {"type": "string", "enum": [f"{i:060d}" for i in range(2000)]}
-ENUM_900 = {"type": "string", "enum": [f"{i:060d}" for i in range(900)]}  # within the bounds: about a second to compile
+ENUM_450 = {"type": "string", "enum": [f"{i:060d}" for i in range(450)]}  # just within max_grammar_bytes
 EBNF_20000 = "root ::= r0\n" + "\n".join(f'r{i} ::= "a" r{i + 1} | "b"' for i in range(20_000)) + '\nr20000 ::= "z"'
 
 SHAPES = [
@@ -76,11 +78,12 @@ SHAPES = [
     Shape("nested_200_schema", "/v1/chat/completions", lambda m: _chat(m, response_format=_schema(_nested(200))), (400,)),
     Shape("ebnf_20000_rules", "/v1/completions",
           lambda m: {"model": m, "prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": EBNF_20000}}, (400,)),
-    Shape("enum_900_schema_distinct", "/v1/chat/completions",  # the largest a compile may be, a new one each time
-          lambda m: _chat(m, response_format=_schema({**ENUM_900, "description": str(next(_counter))})), (200, 503)),
+    Shape("enum_450_schema_distinct", "/v1/chat/completions",  # the largest a compile may be, a new one each time
+          lambda m: _chat(m, response_format=_schema({**ENUM_450, "description": str(next(_counter))})), (200, 503),
+          fresh=True),
     Shape("small_schemas_distinct", "/v1/chat/completions",
           lambda m: _chat(m, response_format=_schema({"type": "object", "properties": {f"k{next(_counter)}": {"type": "integer"}}})),
-          (200,)),
+          (200,), fresh=True),
     Shape("completions_500_prompts_n16", "/v1/completions",
           lambda m: {"model": m, "prompt": [[1, 2, 3]] * 500, "n": 16, "max_tokens": 4}, (400,)),
     Shape("top_k_2_70", "/v1/chat/completions", lambda m: _chat(m, top_k=2**70), (400,)),
@@ -88,9 +91,11 @@ SHAPES = [
     Shape("temperature_1e-308", "/v1/chat/completions", lambda m: _chat(m, temperature=1e-308), (200,)),
     Shape("token_id_2_63", "/v1/completions", lambda m: {"model": m, "prompt": [1, 2**63], "max_tokens": 4}, (400,)),
     Shape("message_4mb", "/v1/chat/completions",
-          lambda m: {**_chat(m), "messages": [{"role": "user", "content": "word " * 800_000}]}, (400,)),
-    Shape("count_tokens_4mb", "/v1/messages/count_tokens",
-          lambda m: {"model": m, "messages": [{"role": "user", "content": "word " * 800_000}]}, (400,)),
+          lambda m: {**_chat(m), "messages": [{"role": "user", "content": "word " * 800_000}]}, (413,)),
+    Shape("message_1mb", "/v1/chat/completions",  # just under max_request_bytes: read, parsed, refused on its characters
+          lambda m: {**_chat(m), "messages": [{"role": "user", "content": "word " * 200_000}]}, (400,)),
+    Shape("count_tokens_1mb", "/v1/messages/count_tokens",
+          lambda m: {"model": m, "messages": [{"role": "user", "content": "word " * 200_000}]}, (400,)),
     Shape("text_plain_body", "/v1/chat/completions", _chat, (415,), content_type="text/plain"),
     Shape("kv_lookup_as_user", "/v1/kv/lookup", lambda m: {"tokens": [1, 2, 3]}, (403,)),
 ]
@@ -167,9 +172,11 @@ async def _victim(session: aiohttp.ClientSession, url: str, model: str, key: str
 async def _attacker(session: aiohttp.ClientSession, url: str, model: str, key: str | None, shape: Shape,
                     phase: Phase, until: float, rate: float) -> None:
     """`shape` again and again, `rate` a second at most (0: each as soon as the last is answered)."""
+    payload = json.dumps(shape.body(model)).encode()
+    headers = {**_auth(key), "content-type": shape.content_type}
     while time.monotonic() < until:
-        payload = json.dumps(shape.body(model)).encode()
-        headers = {**_auth(key), "content-type": shape.content_type}
+        if shape.fresh:
+            payload = json.dumps(shape.body(model)).encode()
         started = time.monotonic()
         try:
             async with session.post(f"{url}{shape.route}", data=payload, headers=headers) as response:
@@ -205,8 +212,10 @@ async def _phase(url: str, model: str, keys: tuple[str | None, str | None], shap
 def run_abuse(url: str, model: str, keys: tuple[str | None, str | None], shapes: list[Shape], seconds: float,
               victims: int = 2, attackers: int = 2, rate: float = 5.0, period_s: float = 1.0, max_tokens: int = 24,
               deadline_s: float = 5.0) -> list[dict[str, Any]]:
-    """The baseline, then one phase per shape: their summaries (the baseline's first)."""
+    """The baseline, then one phase per shape: their summaries (the baseline's first). A few seconds of the victim
+    alone come first, unmeasured: a fresh server's first requests are slower than its later ones."""
     args = (victims, attackers, rate, period_s, max_tokens, deadline_s)
+    asyncio.run(_phase(url, model, keys, None, min(seconds, WARM_UP_S), *args))
     baseline = asyncio.run(_phase(url, model, keys, None, seconds, *args))
     rows = [baseline.summary(None)]
     print(json.dumps(rows[0]), flush=True)

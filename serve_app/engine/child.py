@@ -106,8 +106,10 @@ class EngineChild:
         except (EOFError, OSError):
             logger.info("the host closed the connection; exiting")
         finally:
-            for event in list(self._withdrawals.values()):
-                event.set()  # compiles' waiters give up, so the pools shut down at once
+            with self._withdrawals_lock:
+                waiting = list(self._withdrawals.values())
+            for withdrawn in waiting:
+                withdrawn.set()  # compiles' waiters give up, so the pools shut down at once
             self._submitters.shutdown(wait=True, cancel_futures=True)
             self._constrained.shutdown(wait=True, cancel_futures=True)
             self.engine.shutdown()

@@ -3,11 +3,11 @@ and a `GrammarMatcher` per request masks the logits of each step to the tokens t
 
 Compiling happens where a request is submitted, never on the scheduler thread, and its cost is bounded
 before it starts: a constraint over `max_grammar_bytes` or nested deeper than `max_grammar_depth` is refused
-unread; compiles run on a pool of their own (`grammar_compile_threads`, at most `max_pending_compiles`
-waiting), a compile not done by `grammar_compile_timeout_s` is refused, and one whose request has gone is
-abandoned (a compile that has started runs to its end: the size bounds keep that short). Equal constraints
-compile once (xgrammar's cache, held to `grammar_cache_bytes`). JSON is compiled without free whitespace, so a small
-model cannot fill `max_tokens` with spaces. Tool calls in the generic format are a JSON schema (the
+unread; compiles run on a pool of their own (`grammar_compile_threads`, at a lower CPU priority than the
+steps, at most `max_pending_compiles` waiting), a compile not done by `grammar_compile_timeout_s` is
+refused, and one whose request has gone is abandoned (a compile that has started runs to its end: the size
+bounds keep that short). Equal constraints compile once (xgrammar's cache, held to `grammar_cache_bytes`).
+JSON is compiled without free whitespace, so a small model cannot fill `max_tokens` with spaces. Tool calls in the generic format are a JSON schema (the
 calls, or the answer); in a template's own format, xgrammar's structural tag for that format
 (`get_model_structural_tag`), or that tag's calls beside the answer's schema.
 """
@@ -15,6 +15,7 @@ calls, or the answer); in a template's own format, xgrammar's structural tag for
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -43,6 +44,8 @@ MAX_PARALLEL_CALLS = 4
 
 # xgrammar's errors start with a timestamp and a source location; the client needs only the rest.
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+# How much less CPU priority a compile thread has than the scheduler's.
+COMPILE_NICENESS = 10
 # How often a request waiting for its compile looks whether it has gone.
 _WITHDRAWN_POLL_S = 0.05
 
@@ -63,7 +66,9 @@ class GrammarCompiler:
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(self.config.grammar_compile_threads, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(
+            self.config.grammar_compile_threads, thread_name_prefix="grammar-compile", initializer=_yield_to_steps
+        )
         self._waiting = threading.BoundedSemaphore(self.config.max_pending_compiles)
         quote = hf_tokenizer.encode('"', add_special_tokens=False)  # type: ignore[attr-defined]
         self.quote_token: int | None = quote[0] if len(quote) == 1 else None  # closes a JSON string in one token
@@ -74,8 +79,8 @@ class GrammarCompiler:
                 import xgrammar
 
                 info = xgrammar.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgrammar.GrammarCompiler(
-                    info, max_threads=2, cache_enabled=True, cache_limit_bytes=int(self.config.grammar_cache_bytes)
+                self._compiler = xgrammar.GrammarCompiler(  # made on a compile thread: its threads share its priority
+                    info, max_threads=1, cache_enabled=True, cache_limit_bytes=int(self.config.grammar_cache_bytes)
                 )
             return self._compiler
 
@@ -186,6 +191,15 @@ class GrammarCompiler:
         masked = logits.clone()
         xgrammar.apply_token_bitmask_inplace(masked, bitmask.to(masked.device), vocab_size=self.vocab_size, indices=rows)
         return masked
+
+
+def _yield_to_steps() -> None:
+    """A compile thread runs at a lower CPU priority (niceness +10) than the model's steps, so a compile as big as the
+    bounds allow slows the requests decoding beside it little (Linux gives each thread its own niceness)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICENESS)
+    except (AttributeError, OSError):  # not Linux: compiles share the CPU evenly
+        pass
 
 
 def _allows(row: torch.Tensor, token: int) -> bool:

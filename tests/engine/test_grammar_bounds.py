@@ -48,7 +48,7 @@ def grammars(tiny_llama_path: Path) -> Iterator[GrammarCompiler]:
 @pytest.mark.parametrize(
     ("spec", "words"),
     [
-        (StructuredOutput(json=_enum(2000, 1), param="response_format"), "over max_grammar_bytes=65536"),
+        (StructuredOutput(json=_enum(2000, 1), param="response_format"), "over max_grammar_bytes=32768"),
         (StructuredOutput(json=_nested(200), param="response_format"), "over max_grammar_depth=32"),
         (StructuredOutput(grammar="root ::= r0\n" + "\n".join(f'r{i} ::= "a" r{i + 1} | "b"' for i in range(20_000)),
                           param="structured_outputs.grammar"), "over max_grammar_bytes"),
@@ -64,7 +64,7 @@ def test_a_constraint_too_big_or_deep_is_refused_before_it_compiles(grammars: Gr
 
 
 def test_real_schemas_within_the_bounds_compile(grammars: GrammarCompiler) -> None:
-    for schema in (_enum(500, 2), _nested(12)):
+    for schema in (_enum(400, 2), _nested(12)):
         assert grammars.matcher(StructuredOutput(json=schema)) is not None
 
 
@@ -72,7 +72,7 @@ def test_a_slow_compile_is_refused_at_its_deadline_and_a_gone_request_abandons_i
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
-    config = GrammarConfig(grammar_compile_timeout_s=0.05, grammar_compile_threads=1)
+    config = GrammarConfig(grammar_compile_timeout_s=0.05, grammar_compile_threads=1, max_grammar_bytes=65536)
     compiler = GrammarCompiler(tokenizer, 49152, [0], config)
     try:
         slow = StructuredOutput(json=_enum(900, 3), param="response_format")  # about a second to compile
@@ -96,7 +96,8 @@ def test_the_compiled_grammar_cache_keeps_its_byte_bound(grammars: GrammarCompil
 
 @pytest.fixture(scope="module")
 def process(tiny_llama_path: Path) -> Iterator[EngineProcess]:
-    engine = EngineProcess(EngineConfig.from_options(model=str(tiny_llama_path), compile=False, max_model_len=512))
+    options = dict(model=str(tiny_llama_path), compile=False, max_model_len=512, max_grammar_bytes=65536)
+    engine = EngineProcess(EngineConfig.from_options(**options))
     yield engine
     engine.shutdown()
 

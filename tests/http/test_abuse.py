@@ -45,7 +45,7 @@ class LoopLag:
 
 @pytest.fixture(scope="module")
 def server(engine: InferenceEngine) -> Iterator[InProcessServer]:
-    with engine_server(engine, ServerConfig(max_choices=64)) as srv:
+    with engine_server(engine, ServerConfig(max_choices=64, max_request_bytes=4 * 2**20)) as srv:
         yield srv
 
 
@@ -77,7 +77,7 @@ def _refused(response: httpx.Response, status: int, param: str | None, words: st
         ("/v1/completions", {"prompt": "a" * 40_000}, "prompt", "over max_prompt_characters=32768"),
         ("/v1/chat/completions", {"messages": [USER], "response_format": {"type": "json_schema", "json_schema": {
             "name": "big", "schema": {"type": "string", "enum": [f"{i:060d}" for i in range(2000)]}}}},
-         "response_format.json_schema.schema", "over max_grammar_bytes=65536"),
+         "response_format.json_schema.schema", "over max_grammar_bytes=32768"),
     ],
 )
 def test_a_costly_shape_is_refused_before_its_work(server: InProcessServer, route: str, body: dict, param: str, words: str) -> None:

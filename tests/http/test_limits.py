@@ -86,6 +86,10 @@ def test_a_tenant_over_its_concurrency_gets_429_with_retry_after(two_slot_server
             assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
             error = refused.json()["error"]
             assert error["type"] == "rate_limit_error" and "max_concurrent_per_tenant=2" in error["message"]
+            # Counting tokens is work too: it takes a slot like a generation.
+            count = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+            counted = client.post(f"{two_slot_server.url}/v1/messages/count_tokens", json=count)
+            assert counted.status_code == 429 and counted.json()["error"]["type"] == "rate_limit_error"
         finally:
             for handle in held:  # disconnecting cancels the requests
                 handle.__exit__(None, None, None)
