@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 # What a client is told when its token could not be sampled (the exception is in the engine's log).
 SAMPLING_FAILED = "sampling this request's next token failed (the engine's log says why)"
 
+
 @dataclass(frozen=True)
 class Emitted:
     """One task's outcome of a step: its new tokens as one delta (ending it, if it has a finish reason),

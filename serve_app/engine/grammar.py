@@ -18,6 +18,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_future
@@ -112,21 +113,16 @@ class GrammarCompiler:
 
     def _wait(self, future: Future, spec: StructuredOutput, withdrawn: Callable[[], bool]) -> xgrammar.CompiledGrammar:
         timeout = self.config.grammar_compile_timeout_s
-        deadline = threading.Event()
-        timer = threading.Timer(timeout, deadline.set)
-        timer.start()
-        try:
-            while not wait_for_future([future], _WITHDRAWN_POLL_S).done:
-                if withdrawn():
-                    future.cancel()
-                    raise CompileAbandoned(f"{spec.param}: the request went away while its grammar compiled")
-                if deadline.is_set():
-                    future.cancel()
-                    raise InvalidRequestError(
-                        spec.param, f"did not compile within grammar_compile_timeout_s={timeout:g}: make it smaller"
-                    )
-        finally:
-            timer.cancel()
+        deadline = time.monotonic() + timeout
+        while not wait_for_future([future], _WITHDRAWN_POLL_S).done:
+            if withdrawn():
+                future.cancel()
+                raise CompileAbandoned(f"{spec.param}: the request went away while its grammar compiled")
+            if time.monotonic() >= deadline:
+                future.cancel()
+                raise InvalidRequestError(
+                    spec.param, f"did not compile within grammar_compile_timeout_s={timeout:g}: make it smaller"
+                )
         return future.result()
 
     def _compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
