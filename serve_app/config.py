@@ -98,6 +98,11 @@ class SchedulerConfig(_Strict):
     """Limits of the continuous-batching loop."""
 
     max_num_seqs: int = Field(128, ge=1, description="running tasks at most")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="who is admitted first: first come first served, or by each request's `priority` (lower first, "
+        "then arrival; under memory pressure the last of that order is preempted), as vLLM's",
+    )
     max_num_batched_tokens: int = Field(512, ge=1, description="tokens in one forward at most")
     max_waiting_requests: int = Field(1024, ge=1, description="requests waiting for admission at most; more are refused")
     max_pending_calls: int = Field(16, ge=1, description="KV and other calls waiting for the scheduler at most")
@@ -203,6 +208,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "scheduling_policy": ("scheduler", "scheduling_policy"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_waiting_requests": ("scheduler", "max_waiting_requests"),
     "max_pending_calls": ("scheduler", "max_pending_calls"),
@@ -298,6 +304,11 @@ class ServerConfig(_Strict):
         1024, ge=1,
         description="a request that sets no output-token limit: its tokens inside constrained JSON (its tool calls, "
         "or a JSON answer) at most, then it ends as cut by the limit; None: no such bound",
+    )
+    unknown_fields: Literal["reject", "warn"] = Field(
+        "reject",
+        description="a request field its API does not have: a 400 naming it, as OpenAI's API answers (reject), or "
+        "accepted and logged once per field, as vLLM does (warn: for clients that send vendor fields)",
     )
     max_concurrent_per_tenant: int = Field(256, ge=1, description="a tenant's requests in flight per ingress; 429 past it")
     api_keys_file: str | None = Field(

@@ -99,6 +99,7 @@ class TokenEmitter:
             generators=[t.generator for t in tasks],
             prompt_ids=[t.tokens[: t.prompt_len] if t.params.has_penalties else () for t in tasks],
             output_ids=[t.output_ids if t.params.has_penalties else () for t in tasks],
+            banned=[t.banned_token_ids for t in tasks],
         )
         matchers = [t.matcher for t in tasks]
         if any(m is not None for m in matchers):

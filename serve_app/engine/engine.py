@@ -191,12 +191,18 @@ class InferenceEngine(Conveniences):
         encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
         request, prompt_ids = encoded.request, encoded.prompt_ids
         max_tokens = self._check_lengths(prompt_ids, request.max_tokens)
+        params = request.sampling
         vocab = self.runner.vocab_size
-        for field, ids in (("prompt", prompt_ids), ("stop_token_ids", request.stop_token_ids)):
+        named_ids = (
+            ("prompt", prompt_ids), ("stop_token_ids", request.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+        )
+        for field, ids in named_ids:
             bad = next((i for i in ids if not 0 <= i < vocab), None)
             if bad is not None:
                 raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        params = request.sampling
+        if request.priority and self.config.scheduler.scheduling_policy != "priority":
+            raise InvalidRequestError("priority", "this engine schedules first come, first served (scheduling_policy: fcfs)")
         # Compiling a grammar takes milliseconds to a second: here, never on the scheduler thread.
         matcher = self.grammars.matcher(request.structured_output, withdrawn) if request.structured_output else None
         guard = self.grammars.guard(request)
@@ -218,9 +224,11 @@ class InferenceEngine(Conveniences):
             stop_token_ids=frozenset(stop_ids),
             cache_salt=encoded.prefix_salt,
             out=out,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
-            stop_strings=StopStringMatcher(request.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, request.skip_special_tokens),
+            stop_strings=StopStringMatcher(request.stop, request.include_stop_str_in_output),
             generator=generator,
+            min_tokens=request.min_tokens,
+            priority=request.priority,
             logprobs=request.logprobs,
             matcher=matcher,
             guard=guard,

@@ -34,10 +34,23 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, description="what torch.Generator takes")
+    logit_bias: dict[int, float] | None = Field(None, description="token id -> a bias added to its logit, greedy or not")
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="only these tokens may be chosen")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _finite_bias(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
+        if bias is not None and not all(-1e4 <= value <= 1e4 for value in bias.values()):
+            raise ValueError("logit_bias: each bias within [-1e4, 1e4]")
+        return bias
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_bias(self) -> bool:
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -160,6 +173,13 @@ class GenerateRequest(BaseModel):
         description="the answer ends (length) after this many tokens inside its constrained JSON: its calls, "
         "or the whole of a JSON answer (a JSON or tool-call answer only)",
     )
+    min_tokens: int = Field(0, ge=0, description="no EOS or stop token id can be chosen, nor a stop string end it, before this many tokens")
+    include_stop_str_in_output: bool = Field(False, description="a stop string that ends the output is part of its text")
+    skip_special_tokens: bool = Field(True, description="special tokens are left out of the text")
+    priority: int = Field(0, description="lower runs first, where the engine's scheduling_policy is priority")
+    suffix: str | None = Field(
+        None, description="the text after the insertion (fill in the middle between prompt and suffix); a text prompt only"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -206,6 +226,12 @@ class GenerateRequest(BaseModel):
             raise ValueError("prompt or messages: give exactly one")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools: give them with messages")
+        if self.suffix is not None and not isinstance(self.prompt, str):
+            raise ValueError("suffix: give it with a text prompt")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} is over max_tokens={self.max_tokens}")
+        if self.min_tokens and self.structured_output is not None:
+            raise ValueError("min_tokens: not with a structured output (its grammar decides where the answer ends)")
         return self
 
 

@@ -1,6 +1,6 @@
 """Sampling: the strategies, and the pipeline that turns logits into tokens with each row's `SamplingParams`.
 
-The pipeline runs penalties -> temperature -> top-k -> top-p -> min-p -> softmax -> multinomial
+The pipeline runs penalties -> logit bias (with allowed and banned tokens) -> temperature -> top-k -> top-p -> min-p -> softmax -> multinomial
 on a batch of rows (one per sequence), each row with its own parameters. Rows with
 temperature 0 take the argmax of their (penalised) logits. Any value the request types allow stays finite
 or masked: a penalty's overflow is the largest float, temperature divides logits already shifted to a
@@ -37,6 +37,7 @@ class SamplingBatch:
     top_k: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
+    banned: Sequence[frozenset[int]]  # per row, tokens it may not take now (a stop token before min_tokens)
 
     @classmethod
     def build(
@@ -46,6 +47,7 @@ class SamplingBatch:
         generators: Sequence[torch.Generator | None] | None = None,
         prompt_ids: Sequence[Sequence[int]] | None = None,
         output_ids: Sequence[Sequence[int]] | None = None,
+        banned: Sequence[frozenset[int]] | None = None,
     ) -> SamplingBatch:
         rows = len(params)
         return cls(
@@ -57,6 +59,22 @@ class SamplingBatch:
             top_k=torch.tensor([min(p.top_k, _MAX_TOP_K) if p.top_k > 0 else 0 for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
             min_p=torch.tensor([p.min_p for p in params], device=device),
+            banned=banned if banned is not None else [frozenset()] * rows,
+        )
+
+    def rows(self, index: Sequence[int]) -> SamplingBatch:
+        """The batch of rows `index` only."""
+        at = torch.tensor(list(index), dtype=torch.long, device=self.temperature.device)
+        return SamplingBatch(
+            params=[self.params[r] for r in index],
+            generators=[self.generators[r] for r in index],
+            prompt_ids=[self.prompt_ids[r] for r in index],
+            output_ids=[self.output_ids[r] for r in index],
+            temperature=self.temperature[at],
+            top_k=self.top_k[at],
+            top_p=self.top_p[at],
+            min_p=self.min_p[at],
+            banned=[self.banned[r] for r in index],
         )
 
 
@@ -96,6 +114,30 @@ class PenaltyStrategy(BaseSamplingStrategy):
                 logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
         # A penalty near 0 divides a positive logit into +inf: keep it the largest finite value instead.
         return logits.masked_fill(logits == float("inf"), torch.finfo(logits.dtype).max)
+
+
+class LogitBiasStrategy(BaseSamplingStrategy):
+    """Each row's `logit_bias` added to its logits; tokens outside its `allowed_token_ids`, and those it may not
+    take yet (`banned`), masked. Greedy rows too: it runs before the argmax."""
+
+    def applies(self, batch: SamplingBatch) -> bool:
+        return any(p.has_bias for p in batch.params) or any(batch.banned)
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits.clone()
+        device = logits.device
+        for row, (params, banned) in enumerate(zip(batch.params, batch.banned)):
+            if params.allowed_token_ids is not None:
+                allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=device)
+                kept = logits[row, allowed]
+                logits[row] = _NEG_INF
+                logits[row, allowed] = kept
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+                logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=device)
+            if banned:
+                logits[row, torch.tensor(sorted(banned), dtype=torch.long, device=device)] = _NEG_INF
+        return logits
 
 
 class TemperatureStrategy(BaseSamplingStrategy):
@@ -156,6 +198,7 @@ class SamplingPipeline:
 
     def __init__(self, strategies: Sequence[BaseSamplingStrategy] | None = None) -> None:
         self.penalties = PenaltyStrategy()
+        self.bias = LogitBiasStrategy()
         self.strategies = list(strategies) if strategies is not None else [
             TemperatureStrategy(),
             TopKStrategy(),
@@ -168,23 +211,15 @@ class SamplingPipeline:
     ) -> torch.Tensor:
         """Token ids [rows] for logits [rows, vocab]; a row's `drafts` entry, where not None, is the token
         proposed for it (the row's token equals it exactly when the proposal is accepted)."""
-        if self.penalties.applies(batch):
-            logits = self.penalties.apply(logits, batch)
+        for strategy in (self.penalties, self.bias):  # greedy rows' too
+            if strategy.applies(batch):
+                logits = strategy.apply(logits, batch)
         tokens = logits.argmax(dim=1)
         sampled = [row for row, p in enumerate(batch.params) if not p.is_greedy]
         if not sampled:
             return tokens
         index = torch.tensor(sampled, dtype=torch.long, device=logits.device)
-        sub = SamplingBatch(
-            params=[batch.params[r] for r in sampled],
-            generators=[batch.generators[r] for r in sampled],
-            prompt_ids=[batch.prompt_ids[r] for r in sampled],
-            output_ids=[batch.output_ids[r] for r in sampled],
-            temperature=batch.temperature[index],
-            top_k=batch.top_k[index],
-            top_p=batch.top_p[index],
-            min_p=batch.min_p[index],
-        )
+        sub = batch.rows(sampled)
         rows = logits[index]
         for strategy in self.strategies:
             if strategy.applies(sub):

@@ -1,7 +1,7 @@
 """Scheduler: the continuous-batching policy, with no thread and no model.
 
-Each round it makes room for every running decode (preempting the newest task by recompute when
-pages run out), admits waiting tasks while memory lasts, and packs all decode tokens (with their
+Each round it makes room for every running decode (preempting the task the scheduling policy ranks last,
+by recompute, when pages run out), admits waiting tasks in the policy's order while memory lasts, and packs all decode tokens (with their
 proposed tokens, under speculative decoding) and prefill chunks into one batch. After the forward
 it records what the cache now holds, and after sampling it publishes each task's delta or ends it.
 The loop (`loop.py`) calls it from the engine's thread; the step (`step.py`) runs the model.
@@ -10,7 +10,6 @@ The loop (`loop.py`) calls it from the engine's thread; the step (`step.py`) run
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from serve_app.engine.io import StreamDelta
 from serve_app.engine.speculation import Speculator
 from serve_app.engine.task import Task, TaskState
 from serve_app.engine.tier_loading import TierLoading
+from serve_app.engine.waiting import WaitingQueue
 from serve_app.kv.base import KVCache
 from serve_app.kv.tiers.pages import LoadedPages
 from serve_app.kv.view import BatchEntry
@@ -66,7 +66,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.speculator = speculator
         self.stats = SchedulerStats()
-        self.waiting: deque[Task] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Task] = []
         self.tiers: TierLoading | None = None  # the KV tiers behind a paged cache, when configured
 
@@ -76,14 +76,15 @@ class Scheduler:
         return len(self.tiers.loading) if self.tiers is not None else 0
 
     def add(self, tasks: Iterable[Task]) -> None:
-        self.waiting.extend(tasks)
+        for task in tasks:
+            self.waiting.add(task)
 
     def take_loaded(self, batches: Sequence[LoadedPages]) -> None:
-        """Tasks whose tier pages came back go to the front of the queue."""
+        """Tasks whose tier pages came back go back to the queue (first, under fcfs)."""
         for loaded in batches:
             task = self.tiers.arrived(loaded) if self.tiers is not None else None
             if task is not None:
-                self.waiting.appendleft(task)
+                self.waiting.put_back(task)
 
     def offload(self) -> None:
         """Copy the pages the pool published down to the KV tiers."""
@@ -134,11 +135,12 @@ class Scheduler:
 
     # -- memory ---------------------------------------------------------------------------------
     def _make_room_for_decodes(self) -> None:
-        for task in sorted(self.running, key=lambda t: t.task_id):
+        rank = self.waiting.rank
+        for task in sorted(self.running, key=rank):
             if task.state is not TaskState.RUNNING or task.is_prefilling:
                 continue
             while not self.cache.grow(task.task_id, task.num_tokens):
-                victim = max(self.running, key=lambda t: t.task_id)
+                victim = max(self.running, key=rank)
                 if victim is task and len(self.running) == 1:
                     # Alone and still out of memory: the cache cannot hold this task any longer.
                     self.finish(task, task.closing_delta("length"))
@@ -148,25 +150,25 @@ class Scheduler:
                     break
 
     def _preempt(self, task: Task) -> None:
-        """Recompute later: free the task's memory and put it at the front of the queue."""
+        """Recompute later: free the task's memory and put it back in the queue (first, under fcfs)."""
         self.cache.release(task.task_id)
         self.running.remove(task)
         task.state = TaskState.WAITING
         task.num_computed = 0
         task.tiers_asked = False
-        self.waiting.appendleft(task)
+        self.waiting.put_back(task)
         self.stats.preemptions += 1
         logger.debug("preempted task %d at %d tokens", task.task_id, task.num_tokens)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            task = self.waiting[0]
+            task = self.waiting.first()
             if task.num_tokens > self.cache.max_task_tokens:
-                self.waiting.popleft()
+                self.waiting.pop_first()
                 self.finish(task, task.closing_delta("length"))
                 continue
             if self.tiers is not None and self.tiers.send(task):
-                self.waiting.popleft()  # it waits aside for its pages; the next may go first
+                self.waiting.pop_first()  # it waits aside for its pages; the next may go first
                 continue
             if self.tiers is not None:
                 cached = self.tiers.admit(task)
@@ -174,7 +176,7 @@ class Scheduler:
                 cached = self.cache.admit(task.task_id, task.tokens, task.cache_salt)
             if cached is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop_first()
             task.num_computed = cached
             task.state = TaskState.RUNNING
             self.running.append(task)

@@ -8,12 +8,13 @@ from collections.abc import Sequence
 class StopStringMatcher:
     """Feeds text deltas through; emits only text that cannot be part of a stop string.
 
-    The stop string itself is never emitted: on a match the text before it is returned and the
-    matcher reports the stop.
+    On a match the text before the stop string is returned (with the stop string itself where `include_stop`,
+    vLLM's `include_stop_str_in_output`) and the matcher reports the stop.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         self._stops = [s for s in stops if s]
+        self._include = include_stop
         self._held = ""
         self.matched: str | None = None
 
@@ -30,10 +31,14 @@ class StopStringMatcher:
         if first is not None:
             self._held = ""
             self.matched = first[1]
-            return buffer[: first[0]]
+            return buffer[: first[0] + (len(first[1]) if self._include else 0)]
         keep = self._longest_stop_prefix_suffix(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
+
+    def pass_through(self, text: str) -> str:
+        """Text that may not end the output yet (before `min_tokens`): emitted with what was held, unmatched."""
+        return self.flush() + text
 
     def flush(self) -> str:
         """The held tail, once generation ends without a match."""

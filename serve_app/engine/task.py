@@ -49,6 +49,8 @@ class Task:
     detokenizer: IncrementalDetokenizer
     stop_strings: StopStringMatcher
     generator: torch.Generator | None = None
+    min_tokens: int = 0  # before this many output tokens, no stop token id may be chosen nor a stop string end it
+    priority: int = 0  # lower is admitted first, under the priority scheduling policy
     logprobs: int | None = None
     matcher: xgrammar.GrammarMatcher | None = None  # a structured-output request's grammar state
     guard: AnswerGuard | None = None  # a JSON or tool-call answer's repeats and lengths
@@ -77,6 +79,11 @@ class Task:
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def banned_token_ids(self) -> frozenset[int]:
+        """What its next token may not be: its stop token ids while it is under `min_tokens`."""
+        return self.stop_token_ids if self.num_output < self.min_tokens else frozenset()
 
     @property
     def is_prefilling(self) -> bool:
@@ -117,7 +124,8 @@ class Task:
         piece = self.detokenizer.push(token)
         if self.guard is not None and (reason := self.guard.after(piece)) is not None:
             return self.closing_delta(reason, (token,), self.stop_strings.feed(piece), logprobs)
-        text = self.stop_strings.feed(piece)
+        stops = self.stop_strings
+        text = stops.pass_through(piece) if self.num_output < self.min_tokens else stops.feed(piece)
         if self.stop_strings.matched is not None:
             return StreamDelta(text, (token,), "stop", logprobs, stop_string=self.stop_strings.matched)
         if self.num_output >= self.max_tokens or self.num_tokens >= max_model_len:

@@ -18,8 +18,9 @@ class IncrementalDetokenizer:
     sequence and waits for the next token.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -27,9 +28,7 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
         self._ids.append(token_id)
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = decode(self._ids[self._prefix_offset :])
+        prefix_text, new_text = self._window()
         if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE):
             return ""
         self._prefix_offset = self._read_offset
@@ -38,8 +37,12 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held at the end of generation (an incomplete character decodes as U+FFFD)."""
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = decode(self._ids[self._prefix_offset :])
+        prefix_text, new_text = self._window()
         self._prefix_offset = self._read_offset = len(self._ids)
         return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+
+    def _window(self) -> tuple[str, str]:
+        """The text of the window before the unread tokens, and with them."""
+        decode, skip = self._tokenizer.decode, self._skip_special
+        start = self._prefix_offset
+        return decode(self._ids[start : self._read_offset], skip), decode(self._ids[start:], skip)

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 ChatMessage = dict[str, Any]
 
+# Fill-in-the-middle tokens (prefix, suffix, middle) by family: StarCoder and SantaCoder, then Qwen2.5-Coder and Qwen3.
+FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+
 
 def template_tool_format(template: str) -> ToolFormat:
     """The tool-call format a chat template speaks: `hermes` (`<tool_call>` tags: Qwen2.5, Qwen3, Hermes,
@@ -71,13 +74,24 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return list(self.hf.encode(text, add_special_tokens=False))
 
+    def fill_in_the_middle(self, prefix: str, suffix: str) -> str:
+        """A prompt asking for the text between `prefix` and `suffix`, in the model's FIM tokens (prefix, suffix,
+        middle order, as StarCoder and Qwen-Coder are trained)."""
+        vocab = self.hf.get_vocab()
+        for tokens in FIM_TOKENS:
+            if all(token in vocab for token in tokens):
+                fim_prefix, fim_suffix, fim_middle = tokens
+                return f"{fim_prefix}{prefix}{fim_suffix}{suffix}{fim_middle}"
+        raise InvalidRequestError("suffix", "this model has no fill-in-the-middle tokens, so it cannot insert text")
+
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        """The ids fed for a request's input: chat through the template, text encoded, ids as they are."""
+        """The ids fed for a request's input: chat through the template, text encoded (around a suffix, in the
+        model's fill-in-the-middle form), ids as they are."""
         prompt = request.prompt
         if request.messages is not None:
             return self.encode_chat(request.messages, tools=request.tools)
         if isinstance(prompt, str):
-            ids = self.encode(prompt)
+            ids = self.encode(prompt if request.suffix is None else self.fill_in_the_middle(prompt, request.suffix))
             if not ids:
                 raise InvalidRequestError("prompt", "encodes to no tokens")
             return ids

@@ -120,3 +120,18 @@ def test_top_k_one_equals_greedy(engine: InferenceEngine) -> None:
 def test_bad_sampling_values_name_their_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         GenerateRequest(prompt="x", **{field: value})
+
+
+def test_logit_bias_allowed_and_banned_tokens_apply_to_greedy_rows_too() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0]] * 4)
+    params = [
+        SamplingParams(temperature=0, logit_bias={2: 10.0}),
+        SamplingParams(temperature=0, logit_bias={0: -100.0}),
+        SamplingParams(temperature=0, allowed_token_ids=[3, 1]),
+        SamplingParams(temperature=0),
+    ]
+    banned = [frozenset(), frozenset(), frozenset(), frozenset({0, 1})]
+    batch = SamplingBatch.build(params, logits.device, banned=banned)
+    assert SamplingPipeline()(logits, batch).tolist() == [2, 1, 1, 2]
+    sampled = SamplingBatch.build([SamplingParams(temperature=1.0, allowed_token_ids=[3])] * 8, logits.device)
+    assert SamplingPipeline()(torch.randn(8, 4), sampled).tolist() == [3] * 8

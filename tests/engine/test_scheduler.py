@@ -39,13 +39,13 @@ def _scheduler(pages: int, **limits: int) -> Scheduler:
 _RESULTS: dict[int, GenerateResult] = {}  # id(task) -> what its deltas added up to
 
 
-def _task(tokenizer: Tokenizer, task_id: int, prompt: list[int], max_tokens: int = 8) -> Task:
+def _task(tokenizer: Tokenizer, task_id: int, prompt: list[int], max_tokens: int = 8, priority: int = 0) -> Task:
     result = GenerateResult(task_id=task_id, prompt_tokens=len(prompt))
     task = Task(
         task_id=task_id, prompt_len=len(prompt), tokens=list(prompt), params=SamplingParams(temperature=0),
         max_tokens=max_tokens, stop_token_ids=frozenset(), cache_salt="",
         out=lambda _, delta: result.publish(delta),
-        detokenizer=IncrementalDetokenizer(tokenizer, prompt), stop_strings=StopStringMatcher([]),
+        detokenizer=IncrementalDetokenizer(tokenizer, prompt), stop_strings=StopStringMatcher([]), priority=priority,
     )
     _RESULTS[id(task)] = result
     return task
@@ -114,6 +114,34 @@ def test_a_decode_out_of_pages_preempts_the_newest_task_which_recomputes_later(t
     assert _result(older).finish_reason == _result(newer).finish_reason == "length"
     assert _result(older).token_ids == _result(newer).token_ids == [42] * 20  # the preempted one lost no token
     assert scheduler.cache.usage().free == 8
+
+
+def test_the_priority_policy_admits_lower_priorities_first_and_preempts_the_highest(tokenizer: Tokenizer) -> None:
+    scheduler = _scheduler(pages=8, max_num_seqs=1, scheduling_policy="priority")
+    late, urgent, also_urgent = (_task(tokenizer, i, [i] * 4, max_tokens=2, priority=p) for i, p in ((1, 5), (2, -1), (3, -1)))
+    scheduler.add([late, urgent, also_urgent])
+    assert list(scheduler.waiting) == [urgent, also_urgent, late]  # by priority, then arrival
+    order = []
+    while len(order) < 3:
+        batch = _step(scheduler)
+        order += [t.task_id for t in batch.tasks if t.task_id not in order]
+    assert order == [2, 3, 1]
+    while scheduler.running or len(scheduler.waiting):
+        _step(scheduler)
+    preempting = _scheduler(pages=8, scheduling_policy="priority")
+    low, high = _task(tokenizer, 1, [7] * 12, max_tokens=20, priority=9), _task(tokenizer, 2, [8] * 12, max_tokens=20)
+    preempting.add([low, high])
+    while preempting.stats.preemptions == 0:
+        _step(preempting)
+    assert low.state is TaskState.WAITING and high.state is TaskState.RUNNING  # the older task, ranked last, gives way
+
+
+def test_fcfs_puts_a_preempted_task_back_first(tokenizer: Tokenizer) -> None:
+    scheduler = _scheduler(pages=8)
+    tasks = [_task(tokenizer, i, [i] * 4, priority=9 - i) for i in (1, 2, 3)]
+    scheduler.add(tasks[1:])
+    scheduler.waiting.put_back(tasks[0])
+    assert list(scheduler.waiting) == tasks  # priorities mean nothing first come, first served
 
 
 def test_a_prompt_longer_than_the_cache_can_hold_ends_with_length_at_admission(tokenizer: Tokenizer) -> None:

@@ -262,13 +262,13 @@ def test_vllm_structured_outputs_on_both_openai_routes(oai: openai.OpenAI) -> No
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
          "response_format.json_schema.schema"),
-        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
         ({"function_call": "auto"}, "function_call"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ],
 )
 def test_openai_refusals_name_the_field_and_the_server_keeps_serving(server: InProcessServer, body: dict, param: str) -> None:

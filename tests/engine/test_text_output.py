@@ -1,10 +1,14 @@
-"""Text out: stop strings are cut and never emitted; streamed UTF-8 is never split."""
+"""Text out: stop strings are cut (and kept only where asked); streamed UTF-8 is never split; special tokens
+shown where asked; a suffix asks for the middle in the model's fill-in-the-middle tokens."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from serve_app import GenerateRequest, InferenceEngine
+from serve_app.engine.io import RequestRefused
 from serve_app.engine.stopping import StopStringMatcher
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.tokenizer import Tokenizer
@@ -25,6 +29,40 @@ def test_stop_matcher_earliest_stop_wins_and_flush_returns_the_hold() -> None:
     assert matcher.feed("xxabcd") == "xx" and matcher.matched == "abc"
     other = StopStringMatcher(["stop"])
     assert other.feed("no st") == "no " and other.flush() == "st"
+
+
+def test_stop_matcher_can_keep_the_stop_and_let_text_pass_unmatched() -> None:
+    kept = StopStringMatcher(["END"], include_stop=True)
+    assert kept.feed("abcE") == "abc" and kept.feed("ND tail") == "END" and kept.matched == "END"
+    early = StopStringMatcher(["END"])
+    assert early.feed("xE") == "x" and early.pass_through("ND") == "END" and early.matched is None
+    assert early.feed(" END") == " " and early.matched == "END"
+
+
+def test_detokenizer_keeps_special_tokens_when_asked(model_path: Path) -> None:
+    tokenizer = Tokenizer(model_path)
+    end = next(iter(tokenizer.eos_token_ids))
+    ids = [*tokenizer.encode("Hi"), end]
+    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    skipped = IncrementalDetokenizer(tokenizer)
+    shown = "".join(kept.push(i) for i in ids) + kept.flush()
+    assert shown == tokenizer.decode(ids, skip_special_tokens=False) and shown.endswith(tokenizer.hf.decode([end]))
+    assert "".join(skipped.push(i) for i in ids) + skipped.flush() == "Hi"
+
+
+def test_suffix_asks_for_the_middle_in_the_models_fim_tokens(model_path: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model_path)
+    hf.add_special_tokens({"additional_special_tokens": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]})
+    hf.save_pretrained(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    ids = tokenizer.prompt_ids(GenerateRequest(prompt="def f(", suffix="return x"))
+    fim = [tokenizer.hf.convert_tokens_to_ids(t) for t in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")]
+    assert ids[0] == fim[0] and ids[-1] == fim[2] and fim[1] in ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "def f(return x"
+    with pytest.raises(RequestRefused, match="fill-in-the-middle"):
+        Tokenizer(model_path).prompt_ids(GenerateRequest(prompt="def f(", suffix="x"))
 
 
 def test_detokenizer_never_splits_multibyte_characters(model_path: Path) -> None:

@@ -137,7 +137,7 @@ OPENAI_ERRORS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x " * 3000}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**8]}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
 ]
 

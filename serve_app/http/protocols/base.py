@@ -17,7 +17,8 @@ from starlette.responses import JSONResponse, Response
 
 from serve_app.engine.io import ModelInfo, StreamDelta
 from serve_app.http.engine_client import EngineClient
-from serve_app.http.protocols.errors import ErrorFormat, ProtocolError, from_validation_error
+from serve_app.http.protocols.errors import ErrorFormat, ProtocolError
+from serve_app.http.protocols.fields import from_validation_error
 from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.prepared import Choice, PreparedRequest
 from serve_app.http.streaming import ClosingStreamingResponse
@@ -114,6 +115,8 @@ class ProtocolHandler:
             # Validating a big body takes a while: off the event loop, which serves every other request.
             formatter = await asyncio.to_thread(self.builder.prepare, body, info, limits)
             prepared = formatter.prepared
+            if prepared.end_user is not None:
+                self.span.set_attribute("enduser.id", prepared.end_user)
             builder = self.builder
             limits.apply(prepared, info, builder.stop_param, builder.max_tokens_param, builder.messages_param)
             salts = [cache_salt(r.cache_salt) if cache_salt is not None else r.cache_salt or "" for r in prepared.requests]

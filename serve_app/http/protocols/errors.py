@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
 from serve_app.engine.io import RequestRefused
-
-Body = TypeVar("Body", bound=BaseModel)
 
 ErrorKind = Literal[
     "invalid_request",
@@ -81,31 +78,3 @@ class ErrorFormat:
 
 def invalid(message: str, param: str | None = None) -> ProtocolError:
     return ProtocolError("invalid_request", message, param)
-
-
-def refuse_fields(body: Any, refused: dict[str, str]) -> None:
-    """A 400 naming the first field of `refused` that `body` sets (null counts as unset): a field
-    this server does not implement is refused, never silently ignored."""
-    if isinstance(body, dict):
-        for name, reason in refused.items():
-            if body.get(name) is not None:
-                raise invalid(f"{name}: {reason}", name)
-
-
-def from_validation_error(error: ValidationError, prefix: str = "") -> ProtocolError:
-    """The first pydantic error as a 400 naming its field (`messages.0.content`, ...)."""
-    first = error.errors()[0]
-    location = ".".join(str(part) for part in first.get("loc", ()) if part not in ("body",))
-    param = f"{prefix}{location}" if location else (prefix.rstrip(".") or None)
-    message = first.get("msg", "invalid value")
-    return invalid(f"{param}: {message}" if param else message, param)
-
-
-def validate_body(model: type[Body], body: Any) -> Body:
-    """A JSON body as `model`: 400 when it is not an object or a field is wrong."""
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as error:
-        raise from_validation_error(error) from None

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve_app.http.protocols.errors import invalid, validate_body
+from serve_app.http.protocols.errors import invalid
+from serve_app.http.protocols.fields import validate_body
 
 if TYPE_CHECKING:
     import torch

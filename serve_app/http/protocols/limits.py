@@ -1,6 +1,7 @@
 """RequestLimits: the bounds every generation request is held to before any work is done for it, each breach a
 400 naming its field and limit: choices (prompts x `n`), stop sequences, messages, characters before
-tokenizing, output tokens, and token ids and `top_k` within the model's vocabulary."""
+tokenizing, output tokens, and token ids and `top_k` within the model's vocabulary; and whether a field the API
+does not have is refused or only logged (`unknown_fields`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from serve_app.config import ServerConfig
 from serve_app.engine.grammar_bounds import check_size
 from serve_app.engine.io import GenerateRequest, ModelInfo, RequestRefused
 from serve_app.http.protocols.errors import ProtocolError, invalid
+from serve_app.http.protocols.fields import UnknownFields
 from serve_app.http.protocols.prepared import PreparedRequest
 
 # Without `max_prompt_characters`, a prompt may have this many characters per token of the model's context:
@@ -28,6 +30,7 @@ class RequestLimits:
     max_prompt_characters: int | None = None
     max_output_tokens: int | None = None
     max_constrained_tokens: int | None = None
+    unknown_fields: UnknownFields = "reject"
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> RequestLimits:
@@ -40,6 +43,7 @@ class RequestLimits:
             max_prompt_characters=config.max_prompt_characters,
             max_output_tokens=config.max_output_tokens,
             max_constrained_tokens=config.max_constrained_tokens,
+            unknown_fields=config.unknown_fields,
         )
 
     def check_choices(self, n: int, prompts: int = 1) -> None:
@@ -125,7 +129,7 @@ class RequestLimits:
 def prompt_characters(request: GenerateRequest) -> int:
     """The characters tokenizing `request` reads: its text prompt, or its messages' text and its tools' JSON."""
     if isinstance(request.prompt, str):
-        return len(request.prompt)
+        return len(request.prompt) + len(request.suffix or "")
     if request.messages is None:
         return 0  # token ids: nothing to tokenize
     text = sum(
@@ -141,7 +145,12 @@ def check_vocabulary(request: GenerateRequest, vocab_size: int) -> None:
     top_k = request.sampling.top_k
     if top_k > vocab_size:
         raise invalid(f"top_k: {top_k} is over the vocabulary's {vocab_size} tokens (0 or -1 keeps them all)", "top_k")
-    for param, ids in (("prompt", request.prompt), ("stop_token_ids", request.stop_token_ids)):
+    sampling = request.sampling
+    named_ids = (
+        ("prompt", request.prompt), ("stop_token_ids", request.stop_token_ids),
+        ("logit_bias", list(sampling.logit_bias or ())), ("allowed_token_ids", sampling.allowed_token_ids),
+    )
+    for param, ids in named_ids:
         if isinstance(ids, list) and ids:
             low, high = min(ids), max(ids)
             if low < 0 or high >= vocab_size:

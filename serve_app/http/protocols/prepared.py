@@ -21,6 +21,7 @@ class PreparedRequest:
     model: str
     choices_per_prompt: int = 1
     include_usage: bool = False
+    end_user: str | None = None  # the API's user or safety identifier, recorded on the request's span
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 

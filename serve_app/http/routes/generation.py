@@ -73,7 +73,7 @@ async def count_tokens(request: Request) -> Response:
     body = await read_json(request, context.config.max_request_bytes)
     engine = context.models.client_of(body)
     model = await engine.model_info()
-    req: CountTokensRequest = parse(CountTokensRequest, body, model)
+    req: CountTokensRequest = parse(CountTokensRequest, body, model, context.limits.unknown_fields)
     prompt = req.prompt(format_for(model.tool_format), req.tool_plan())
     counted = GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None)
     context.limits.check_characters(counted, model)

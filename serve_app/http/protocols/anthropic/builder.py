@@ -126,7 +126,7 @@ class MessagesBuilder(ResponseBuilder):
     stop_param = "stop_sequences"
 
     def prepare(self, body: Any, model: ModelInfo, limits: RequestLimits = DEFAULT_LIMITS) -> MessagesFormatter:
-        req: MessagesRequest = parse(MessagesRequest, body, model)
+        req: MessagesRequest = parse(MessagesRequest, body, model, limits.unknown_fields)
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         prompt = req.prompt(tools, tool_plan)
         request = GenerateRequest(
@@ -141,7 +141,9 @@ class MessagesBuilder(ResponseBuilder):
         )
         constraint = request.structured_output
         blocks = _BlockStream(constraint) if tool_plan is not None and constraint else None
-        return MessagesFormatter(PreparedRequest(requests=[request], stream=req.stream, model=req.model), blocks)
+        end_user = req.metadata.user_id if req.metadata is not None else None
+        prepared = PreparedRequest(requests=[request], stream=req.stream, model=req.model, end_user=end_user)
+        return MessagesFormatter(prepared, blocks)
 
 
 class MessagesFormatter(ResponseFormatter):

@@ -6,62 +6,109 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from serve_app.engine.io import ModelInfo, StructuredOutput
-from serve_app.http.protocols.errors import refuse_fields, validate_body
+from serve_app.http.protocols.fields import RequestModel, UnknownFields, refuse_fields, validate_body
+from serve_app.http.protocols.openai.schema import text_only
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools.plan import Prompt, ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, plan
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class CacheControl(RequestModel):
+    """A prompt-caching breakpoint: the prompt up to here is cached (5 minutes unless `ttl` says 1 hour)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
 
 
-class TextBlock(_Lenient):
+class TextBlock(RequestModel):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
+    citations: None = Field(None, description="citations of documents: this model takes text only (null accepted)")
 
 
-class ToolUseBlock(_Lenient):
+class Caller(RequestModel):
+    """Who made a tool call: the model itself (the only caller here; no code execution tool runs)."""
+
+    type: Literal["direct"]
+
+
+class ToolUseBlock(RequestModel):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
+    caller: Caller | None = None
+    toolset_name: None = Field(None, description="a server toolset's member: none run here (null only)")
 
 
-class ToolResultBlock(_Lenient):
+class ToolResultBlock(RequestModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool = False
+    cache_control: CacheControl | None = None
+    toolset_name: None = Field(None, description="a server toolset's member: none run here (null only)")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        return text_only(value, ("text",))
 
     def text(self) -> str:
         text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
         return f"(error) {text}" if self.is_error else text
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+def _block_kind(block: Any) -> str | None:
+    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    return {"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock"}.get(kind)
 
 
-class Message(_Lenient):
+# Blocks tagged by class name, so that an error's field path leaves the tag out.
+Block = Annotated[
+    Annotated[TextBlock, Tag("TextBlock")] | Annotated[ToolUseBlock, Tag("ToolUseBlock")]
+    | Annotated[ToolResultBlock, Tag("ToolResultBlock")],
+    Discriminator(_block_kind),
+]
+
+
+class Message(RequestModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_blocks(cls, value: Any) -> Any:
+        return text_only(value, ("text", "tool_use", "tool_result"))
 
     def blocks(self) -> list[Block]:
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
-class Tool(_Lenient):
+class Tool(RequestModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str = ""
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+    strict: bool | None = Field(None, description="inputs always match input_schema here (its grammar is enforced)")
+    allowed_callers: list[Literal["direct"]] | None = Field(None, description="only the model calls tools here")
+    defer_loading: Literal[False] | None = Field(None, description="every tool is in the prompt (no tool search)")
+    eager_input_streaming: Literal[False] | None = Field(
+        None, description="a call's input streams in one piece once whole (false or null only)"
+    )
+    input_examples: None = Field(None, description="not supported (null only)")
 
 
-class ToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Metadata(RequestModel):
+    user_id: str | None = Field(None, max_length=256, description="the end user, recorded on the request's trace span")
 
+
+class ToolChoice(RequestModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
@@ -73,12 +120,14 @@ class ToolChoice(BaseModel):
         return self
 
 
-class CountTokensRequest(_Lenient):
+class CountTokensRequest(RequestModel):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    cache_control: CacheControl | None = Field(None, description="a breakpoint at the last cacheable block")
+    speed: Literal["standard"] | None = Field(None, description="one speed here: standard")
 
     def tool_plan(self) -> ToolPlan | None:
         """How this request may call its tools, and which (Anthropic's `any` is `required`, `tool` a named one)."""
@@ -108,17 +157,13 @@ class CountTokensRequest(_Lenient):
         return tools.prompt(turns, tool_plan)
 
 
-class OutputFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class OutputFormat(RequestModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(BaseModel):
+class OutputConfig(RequestModel):
     """Anthropic's `output_config`: its `format` (structured output) is enforced; `effort` is refused."""
-
-    model_config = ConfigDict(extra="forbid")
 
     format: OutputFormat | None = None
     effort: None = Field(None, description="reasoning effort: this server has no reasoning mode")
@@ -131,7 +176,8 @@ class MessagesRequest(CountTokensRequest):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     stream: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = Field(None, description="there is one tier: both mean it")
     output_config: OutputConfig | None = None
     max_string_tokens: int | None = Field(None, ge=1)
 
@@ -146,16 +192,18 @@ class MessagesRequest(CountTokensRequest):
 
 # Fields of Anthropic's API that this server does not implement: a 400 naming them.
 UNSUPPORTED = {
-    "thinking": "this server has no extended thinking",
+    "thinking": "this model has no extended thinking",
     "mcp_servers": "not supported",
     "container": "not supported",
+    "context_management": "not supported",
     "output_format": "send output_config.format",
+    "diagnostics": "not supported",
+    "inference_geo": "not supported: the server runs where it is deployed",
 }
 
 
-def parse(model: type[BaseModel], body: Any, served: ModelInfo) -> Any:
+def parse(model: type[RequestModel], body: Any, served: ModelInfo, unknown: UnknownFields = "reject") -> Any:
     """Validate a body and its `model` (an unknown model is a 404, as Anthropic's API answers)."""
-    refuse_fields(body, UNSUPPORTED)
-    req = validate_body(model, body)
+    req = validate_body(model, refuse_fields(body, UNSUPPORTED), unknown)
     adapter_of(served, req.model)  # an unknown model is a 404, as Anthropic's API answers
     return req

@@ -10,8 +10,17 @@ from typing import Any
 from serve_app.engine.io import GenerateRequest, ModelInfo, StreamDelta, StructuredOutput, TokenLogprob, Usage
 from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, ResponseFormatter, sse
 from serve_app.http.protocols.limits import RequestLimits
-from serve_app.http.protocols.errors import ErrorFormat, ProtocolError, invalid, refuse_fields, validate_body
-from serve_app.http.protocols.openai.schema import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, SamplingFields
+from serve_app.http.protocols.errors import ErrorFormat, ProtocolError, invalid
+from serve_app.http.protocols.fields import refuse_fields, validate_body
+from serve_app.http.protocols.openai.schema import (
+    ACCEPTED,
+    COMPLETIONS_ACCEPTED,
+    COMPLETIONS_UNSUPPORTED,
+    UNSUPPORTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
@@ -56,16 +65,20 @@ def _usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
-def _prepared(req: SamplingFields, requests: list[GenerateRequest]) -> PreparedRequest:
+def _prepared(req: SamplingFields, requests: list[GenerateRequest], end_user: str | None) -> PreparedRequest:
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options: only allowed when stream is true", "stream_options")
-    return PreparedRequest(
+    prepared = PreparedRequest(
         requests=requests,
         stream=req.stream,
         model=req.model,
         choices_per_prompt=req.n,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        end_user=end_user,
     )
+    if req.request_id is not None:
+        prepared.id = req.request_id
+    return prepared
 
 
 def _tool_message(constraint: StructuredOutput, choice: Choice) -> dict[str, Any]:
@@ -156,8 +169,8 @@ class ChatCompletionsBuilder(ResponseBuilder):
     errors = ERRORS
 
     def prepare(self, body: Any, model: ModelInfo, limits: RequestLimits = DEFAULT_LIMITS) -> ChatFormatter:
-        refuse_fields(body, UNSUPPORTED)
-        req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
+        body = refuse_fields(body, UNSUPPORTED, ACCEPTED)
+        req: ChatCompletionRequest = validate_body(ChatCompletionRequest, body, limits.unknown_fields)
         lora = adapter_of(model, req.model)
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         prompt = req.prompt(tools, tool_plan)
@@ -173,7 +186,8 @@ class ChatCompletionsBuilder(ResponseBuilder):
             for choice in range(req.n)
         ]
         tool_answer = constraint if tool_plan is not None else None
-        return ChatFormatter(_prepared(req, requests), req.logprobs, tool_answer)
+        prepared = _prepared(req, requests, req.safety_identifier or req.user)
+        return ChatFormatter(prepared, req.logprobs, tool_answer)
 
 
 class ChatFormatter(_OpenAIFormatter):
@@ -287,22 +301,27 @@ class CompletionsBuilder(ResponseBuilder):
     errors = ERRORS
 
     def prepare(self, body: Any, model: ModelInfo, limits: RequestLimits = DEFAULT_LIMITS) -> CompletionFormatter:
-        refuse_fields(body, {**UNSUPPORTED, "response_format": "legacy completions take structured_outputs"})
-        req: CompletionRequest = validate_body(CompletionRequest, body)
+        body = refuse_fields(body, COMPLETIONS_UNSUPPORTED, COMPLETIONS_ACCEPTED)
+        req: CompletionRequest = validate_body(CompletionRequest, body, limits.unknown_fields)
         lora = adapter_of(model, req.model)
-        if req.echo:
-            raise invalid("echo: only false is supported", "echo")
-        if req.suffix:
-            raise invalid("suffix: not supported by this model", "suffix")
         prompts = _prompts(req.prompt)
+        if req.echo and req.logprobs is not None:
+            raise invalid("echo: not with logprobs (the prompt's logprobs are not computed)", "echo")
+        if req.echo and not all(isinstance(p, str) for p in prompts):
+            raise invalid("echo: only with text prompts", "echo")
         limits.check_choices(req.n, len(prompts))
         constraint = req.structured_output()
         requests = [
-            GenerateRequest(prompt=prompt, **req.engine_fields(req.max_tokens, req.logprobs, choice, constraint, lora))
+            GenerateRequest(
+                prompt=prompt, suffix=req.suffix,
+                **req.engine_fields(req.max_tokens, req.logprobs, choice, constraint, lora),
+            )
             for prompt in prompts
             for choice in range(req.n)
         ]
-        return CompletionFormatter(_prepared(req, requests), req.logprobs is not None, req.return_token_ids)
+        echoed = [str(r.prompt) for r in requests] if req.echo else None
+        prepared = _prepared(req, requests, req.user)
+        return CompletionFormatter(prepared, req.logprobs is not None, req.return_token_ids, echoed)
 
 
 class CompletionFormatter(_OpenAIFormatter):
@@ -311,9 +330,11 @@ class CompletionFormatter(_OpenAIFormatter):
     object_chunk = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, prepared: PreparedRequest, logprobs: bool, token_ids: bool) -> None:
+    def __init__(self, prepared: PreparedRequest, logprobs: bool, token_ids: bool, echoed: list[str] | None) -> None:
         super().__init__(prepared, logprobs)
         self.token_ids = token_ids  # `return_token_ids`: each choice's token ids with its text
+        self.echoed = echoed  # `echo`: each choice's prompt, before its text
+        self.started: set[int] = set()  # the choices whose first chunk has gone
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -332,11 +353,15 @@ class CompletionFormatter(_OpenAIFormatter):
         with_ids = self.token_ids
         if delta.finish_reason == "error":
             return []
-        if not (delta.text or delta.finish_reason or delta.logprobs or with_ids and delta.token_ids):
+        text = delta.text
+        if self.echoed is not None and choice.index not in self.started:
+            self.started.add(choice.index)
+            text = self.echoed[choice.index] + text
+        if not (text or delta.finish_reason or delta.logprobs or with_ids and delta.token_ids):
             return []
         body: dict[str, Any] = {
             "index": choice.index,
-            "text": delta.text,
+            "text": text,
             "logprobs": self._logprobs(delta.logprobs),
             "finish_reason": _finish_reason(choice) if delta.finish_reason is not None else None,
         }
@@ -345,9 +370,13 @@ class CompletionFormatter(_OpenAIFormatter):
         return [sse(self._chunk([body]))]
 
     def response(self, choices: Sequence[Choice]) -> dict[str, Any]:
-        if self.token_ids:
-            return self._response("text_completion", choices, lambda c: {"text": c.text, "token_ids": c.token_ids})
-        return self._response("text_completion", choices, lambda c: {"text": c.text})
+        echoed = self.echoed
+
+        def content(choice: Choice) -> dict[str, Any]:
+            text = echoed[choice.index] + choice.text if echoed is not None else choice.text
+            return {"text": text, "token_ids": choice.token_ids} if self.token_ids else {"text": text}
+
+        return self._response("text_completion", choices, content)
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -6,80 +6,162 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve_app.engine.io import SamplingParams, StructuredOutput
-from serve_app.http.protocols.errors import from_validation_error, invalid
+from serve_app.http.protocols.errors import invalid
+from serve_app.http.protocols.fields import RequestModel, from_validation_error
 from serve_app.http.tools.plan import Prompt, ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, plan
 
+# logit_bias entries at most (OpenAI's API takes up to 300; a client may bias a few thousand tokens at once).
+MAX_LOGIT_BIAS = 4096
 
-class _Lenient(BaseModel):
-    # Fields that SDKs send and this server does not use are ignored, as OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="ignore")
+# Content parts a text-only model cannot read, by their `type`.
+NOT_TEXT = {
+    "image_url": "images", "input_audio": "audio", "file": "files", "input_image": "images", "input_file": "files",
+    "image": "images", "document": "documents",
+}
 
 
-class TextPart(_Lenient):
+def text_only(parts: Any, text_types: tuple[str, ...]) -> Any:
+    """A message's content parts, refusing the kinds a text-only model cannot read by what they are."""
+    if isinstance(parts, list):
+        for index, part in enumerate(parts):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in NOT_TEXT:
+                raise ValueError(f"part {index} is {kind}: this model takes text only, not {NOT_TEXT[kind]}")
+            if kind is not None and kind not in text_types:
+                raise ValueError(f"part {index} is {kind!r}: a part here is one of {', '.join(text_types)}")
+    return parts
+
+
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Lenient):
+class RefusalPart(RequestModel):
+    """An earlier assistant turn's refusal, sent back as its content."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+class FunctionCall(RequestModel):
     name: str
     arguments: str
+    parsed_arguments: Any = Field(
+        None, description="the OpenAI SDK's parsed copy of `arguments`, which its stream helpers send back; "
+        "`arguments` is the call",
+    )
 
 
-class AssistantToolCall(_Lenient):
+class AssistantToolCall(RequestModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = Field(None, description="its place in a streamed answer, which the SDK's stream helpers keep")
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
+    name: str | None = Field(None, description="the participant's name, given to the chat template")
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = Field(None, description="an earlier assistant turn's refusal: its text")
+    function_call: None = Field(None, description="deprecated by OpenAI: send tool_calls (null accepted)")
+    audio: None = Field(None, description="an earlier audio answer: this server produces text (null accepted)")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        return text_only(value, ("text", "refusal"))
 
     @model_validator(mode="after")
-    def _tool_fields_on_their_roles(self) -> ChatMessage:
+    def _fields_on_their_roles(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("tool_calls: only assistant messages carry them")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("tool_call_id: tool messages need one, and only they")
+        if self.refusal is not None and self.role != "assistant":
+            raise ValueError("refusal: only assistant messages carry one")
         return self
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart) else part.refusal for part in self.content)
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(RequestModel):
     include_usage: bool = False
+    include_obfuscation: Literal[False] | None = Field(
+        None, description="OpenAI's padding of streamed deltas: not added here (false or null accepted)"
+    )
 
 
-# Fields of OpenAI's (and vLLM's) APIs that this server does not implement: a 400 naming them.
+# Fields of OpenAI's and vLLM's APIs that this server does not implement: a 400 naming them (a value in `ACCEPTED`,
+# the field's meaning when unset, is accepted).
 UNSUPPORTED = {
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "logit_bias": "not supported",
+    "functions": "deprecated by OpenAI and not supported: send tools",
+    "function_call": "deprecated by OpenAI and not supported: send tool_choice",
     "prediction": "not supported",
     "audio": "not supported: this server produces text",
+    "modalities": "only [\"text\"]: this server produces text",
     "web_search_options": "not supported",
+    "store": "not supported: chat completions are not stored (the Responses API stores responses)",
+    "service_tier": "only auto or default: there is one tier",
+    "reasoning_effort": "this model has no reasoning mode",
+    "verbosity": "not supported",
+    "prompt_cache_retention": "not supported",
     "guided_json": "not supported; send structured_outputs: {\"json\": ...}",
     "guided_regex": "not supported; send structured_outputs: {\"regex\": ...}",
     "guided_choice": "not supported; send structured_outputs: {\"choice\": ...}",
     "guided_grammar": "not supported; send structured_outputs: {\"grammar\": ...}",
+    "guided_decoding_backend": "not supported: the backend is xgrammar",
+    "guided_whitespace_pattern": "not supported",
+    "best_of": "not supported: send n",
+    "use_beam_search": "not supported: there is no beam search",
+    "length_penalty": "not supported: there is no beam search",
+    "truncate_prompt_tokens": "not supported",
+    "prompt_logprobs": "not supported",
+    "bad_words": "not supported: send logit_bias",
+    "logits_processors": "not supported",
+    "return_tokens_as_token_ids": "not supported",
+    "spaces_between_special_tokens": "only true",
+    "kv_transfer_params": "not supported: use the KV routes",
+    "vllm_xargs": "not supported",
+    "mm_processor_kwargs": "not supported: this model takes text only",
+    "chat_template": "not supported: the model's own template is used",
+    "chat_template_kwargs": "not supported",
+    "documents": "not supported",
+    "add_generation_prompt": "only true",
+    "continue_final_message": "only false",
+    "add_special_tokens": "only false for chat (the template holds the special tokens)",
+    "echo": "only false for chat",
+    "return_token_ids": "only on /v1/completions",
 }
+ACCEPTED: dict[str, tuple[Any, ...]] = {
+    "modalities": (["text"],), "store": (False,), "service_tier": ("auto", "default"), "best_of": (1,),
+    "use_beam_search": (False,), "length_penalty": (1.0,), "return_tokens_as_token_ids": (False,),
+    "spaces_between_special_tokens": (True,), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "add_special_tokens": (False,), "echo": (False,), "return_token_ids": (False,),
+}
+# Legacy completions: what the chat route refuses, less what they do have, and the chat-only fields.
+COMPLETIONS_UNSUPPORTED = {
+    **{name: reason for name, reason in UNSUPPORTED.items() if name not in ("echo", "return_token_ids")},
+    "response_format": "legacy completions take structured_outputs",
+    "add_special_tokens": "only true for completions (the prompt is encoded with the tokenizer's special tokens)",
+}
+COMPLETIONS_ACCEPTED = {**ACCEPTED, "add_special_tokens": (True,)}
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(RequestModel):
     """vLLM's `structured_outputs` (extra body): exactly one of a JSON schema, any JSON object, a regex,
     a choice of strings, or an EBNF grammar."""
-
-    model_config = ConfigDict(extra="forbid")
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None
@@ -99,17 +181,15 @@ class StructuredOutputs(BaseModel):
         return _structured(param="structured_outputs", **fields)
 
 
-class JSONSchemaFormat(_Lenient):
+class JSONSchemaFormat(RequestModel):
     name: str
     schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
@@ -141,7 +221,7 @@ def _structured(**fields: Any) -> StructuredOutput:
         raise from_validation_error(error, prefix=f"{fields['param']}.") from None
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(RequestModel):
     """The sampling and stop fields both OpenAI routes share."""
 
     model: str
@@ -161,9 +241,26 @@ class SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=256, description="the end user, recorded on the request's trace span")
     structured_outputs: StructuredOutputs | None = None
     max_string_tokens: int | None = Field(None, ge=1)
+    logit_bias: dict[int, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id -> a bias in [-100, 100] added to its logit"
+    )
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="only these tokens may be sampled")
+    min_tokens: int = Field(0, ge=0, description="no EOS or stop token id, and no stop string, before this many tokens")
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="lower runs first, under scheduling_policy: priority")
+    request_id: str | None = Field(None, min_length=1, max_length=128, description="the answer's id (after its prefix)")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
+        for token, value in (bias or {}).items():
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"the bias of token {token} is {value}, outside [-100, 100]")
+        return bias
 
     def structured_output(self) -> StructuredOutput | None:
         return self.structured_outputs.to_engine() if self.structured_outputs is not None else None
@@ -183,6 +280,8 @@ class SamplingFields(_Lenient):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias or None,
+            allowed_token_ids=self.allowed_token_ids,
         )
         return dict(
             max_tokens=max_tokens,
@@ -195,26 +294,30 @@ class SamplingFields(_Lenient):
             structured_output=constraint,
             max_string_tokens=self.max_string_tokens,
             lora=lora,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            priority=self.priority,
         )
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(RequestModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
 
 
-class ChatTool(_Lenient):
+class ChatTool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Lenient):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: NamedFunction
 
@@ -228,6 +331,16 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    safety_identifier: str | None = Field(None, max_length=256, description="recorded on the request's trace span")
+    prompt_cache_key: str | None = Field(None, max_length=1024, description="the prompt's cache salt: cache_salt")
+
+    @model_validator(mode="after")
+    def _one_salt(self) -> ChatCompletionRequest:
+        if self.prompt_cache_key is not None:
+            if self.cache_salt is not None and self.cache_salt != self.prompt_cache_key:
+                raise ValueError("prompt_cache_key: it is the cache salt; give it or cache_salt, or both equal")
+            self.cache_salt = self.prompt_cache_key
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

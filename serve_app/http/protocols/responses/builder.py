@@ -11,10 +11,11 @@ from typing import Any
 from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput
 from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, ResponseFormatter, sse
 from serve_app.http.protocols.limits import RequestLimits
-from serve_app.http.protocols.errors import ProtocolError, refuse_fields, validate_body
+from serve_app.http.protocols.errors import ProtocolError
+from serve_app.http.protocols.fields import refuse_fields, validate_body
 from serve_app.http.protocols.openai import ERRORS as OPENAI_ERRORS
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
-from serve_app.http.protocols.responses.schema import UNSUPPORTED, FunctionChoice, ResponsesRequest
+from serve_app.http.protocols.responses.schema import ACCEPTED, UNSUPPORTED, FunctionChoice, ResponsesRequest
 from serve_app.http.response_store import StoredResponse
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
@@ -72,8 +73,8 @@ class ResponsesBuilder(ResponseBuilder):
         self.previous = previous
 
     def prepare(self, body: Any, model: ModelInfo, limits: RequestLimits = DEFAULT_LIMITS) -> ResponsesFormatter:
-        refuse_fields(body, UNSUPPORTED)
-        req: ResponsesRequest = validate_body(ResponsesRequest, body)
+        body = refuse_fields(body, UNSUPPORTED, ACCEPTED)
+        req: ResponsesRequest = validate_body(ResponsesRequest, body, limits.unknown_fields)
         lora = adapter_of(model, req.model)
         previous_id = self.previous.response["id"] if self.previous is not None else None
         if req.previous_response_id != previous_id:
@@ -93,8 +94,10 @@ class ResponsesBuilder(ResponseBuilder):
             structured_output=constraint,
             max_string_tokens=req.max_string_tokens,
             lora=lora,
+            cache_salt=req.prompt_cache_key,
         )
-        prepared = PreparedRequest(requests=[request], stream=req.stream, model=req.model)
+        end_user = req.safety_identifier or req.user
+        prepared = PreparedRequest(requests=[request], stream=req.stream, model=req.model, end_user=end_user)
         return ResponsesFormatter(prepared, req, turns, constraint if tool_plan is not None else None)
 
 

@@ -6,36 +6,39 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from serve_app.engine.io import StructuredOutput
-from serve_app.http.protocols.errors import from_validation_error, invalid
+from serve_app.http.protocols.errors import invalid
+from serve_app.http.protocols.fields import RequestModel, validate_part
+from serve_app.http.protocols.openai.schema import text_only
 from serve_app.http.tools.plan import ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, call_names, plan
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class InputText(_Strict):
+class InputText(RequestModel):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None  # output_text parts echoed back from an earlier output
     logprobs: list[Any] | None = None
 
 
-class MessageItem(_Strict):
+class MessageItem(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText]
     id: str | None = None
     status: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        return text_only(value, ("input_text", "output_text"))
+
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(RequestModel):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -44,7 +47,7 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(RequestModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[InputText]
@@ -59,7 +62,7 @@ def _item_kind(item: Any) -> str:
     return item.get("type", "message") if isinstance(item, dict) else "message"
 
 
-class FunctionTool(_Strict):
+class FunctionTool(RequestModel):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
@@ -67,12 +70,12 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(RequestModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -86,8 +89,9 @@ class TextFormat(_Strict):
         return self
 
 
-class TextOptions(_Strict):
+class TextOptions(RequestModel):
     format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = Field(None, description="the model's own length: only medium")
 
 
 # Fields of the Responses API that this server does not implement: a 400 naming them.
@@ -102,10 +106,12 @@ UNSUPPORTED = {
     "context_management": "not supported",
     "prompt_cache_retention": "not supported",
     "prompt_cache_options": "not supported",
+    "stream_options": "only include_obfuscation: false (deltas are not padded here)",
 }
+ACCEPTED: dict[str, tuple[Any, ...]] = {"stream_options": ({"include_obfuscation": False},), "service_tier": ("auto", "default")}
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(RequestModel):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -122,10 +128,34 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = Field(None, max_length=1024, description="the prompt's cache salt")
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
     max_string_tokens: int | None = Field(None, ge=1)
+    _items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem] = PrivateAttr(default_factory=list)
+    _function_tools: list[FunctionTool] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _parts(self, info: ValidationInfo) -> ResponsesRequest:
+        """The input items and tools, each validated as its type says (errors named from the body's root)."""
+        unknown = (info.context or {}).get("unknown_fields", "reject")
+        if isinstance(self.input, str):
+            self._items = [MessageItem(role="user", content=self.input)]
+        else:
+            kinds = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+            for index, item in enumerate(self.input):
+                kind = kinds.get(_item_kind(item))
+                if kind is None:
+                    raise invalid(f"input.{index}.type: {_item_kind(item)!r} items are not supported", f"input.{index}.type")
+                self._items.append(validate_part(kind, item, f"input.{index}.", unknown))
+        for index, tool in enumerate(self.tools or []):
+            if tool.get("type") != "function":
+                raise invalid(
+                    f"tools.{index}.type: {tool.get('type')!r} tools are not supported; only function tools",
+                    f"tools.{index}.type",
+                )
+            self._function_tools.append(validate_part(FunctionTool, tool, f"tools.{index}.", unknown))
+        return self
 
     @field_validator("include")
     @classmethod
@@ -135,27 +165,10 @@ class ResponsesRequest(_Strict):
         return value
 
     def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
-        if isinstance(self.input, str):
-            return [MessageItem(role="user", content=self.input)]
-        items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem] = []
-        kinds = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
-        for index, item in enumerate(self.input):
-            kind = kinds.get(_item_kind(item))
-            if kind is None:
-                raise invalid(f"input.{index}.type: {_item_kind(item)!r} items are not supported", f"input.{index}.type")
-            items.append(_validated(kind, item, f"input.{index}."))
-        return items
+        return self._items
 
     def function_tools(self) -> list[FunctionTool]:
-        tools = []
-        for index, tool in enumerate(self.tools or []):
-            kind = tool.get("type")
-            if kind != "function":
-                raise invalid(
-                    f"tools.{index}.type: {kind!r} tools are not supported; only function tools", f"tools.{index}.type"
-                )
-            tools.append(_validated(FunctionTool, tool, f"tools.{index}."))
-        return tools
+        return self._function_tools
 
     def tool_plan(self) -> ToolPlan | None:
         specs = [
@@ -201,9 +214,3 @@ class ResponsesRequest(_Strict):
                 turns.append(Turn("tool", item.text(), call_id=item.call_id, name=names.get(item.call_id)))
         return turns
 
-
-def _validated(model: type[BaseModel], value: Any, prefix: str) -> Any:
-    try:
-        return model.model_validate(value)
-    except ValidationError as error:
-        raise from_validation_error(error, prefix=prefix) from None
