@@ -36,7 +36,7 @@ from serve_app.engine.speculation import Speculator
 from serve_app.engine.stats import engine_stats
 from serve_app.engine.step import ModelStep
 from serve_app.engine.stopping import StopStringMatcher
-from serve_app.engine.task import DeltaSink, Task
+from serve_app.engine.task import CachePin, DeltaSink, Task
 from serve_app.engine.tier_loading import TierLoading
 from serve_app.errors import InvalidRequestError
 from serve_app.kv.base import KVCache
@@ -170,7 +170,8 @@ class InferenceEngine(Conveniences):
     def encode(self, request: GenerateRequest) -> EncodedRequest:
         """A request asked in process, as the engine runs it: its prompt's ids by this engine's tokenizer, its own
         `cache_salt` as the engine salt. (A server encodes where its HTTP layer runs, with the tenant's salt.)"""
-        return EncodedRequest(request, self.tokenizer.prompt_ids(request), request.cache_salt or "")
+        ids = self.tokenizer.prompt_ids(request)
+        return EncodedRequest(request, ids, request.cache_salt or "", pin_tokens=self.tokenizer.cached_prefix_length(request, ids))
 
     def submit(
         self, request: GenerateRequest | EncodedRequest, withdrawn: Callable[[], bool] = lambda: False
@@ -215,6 +216,8 @@ class InferenceEngine(Conveniences):
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
+        prefix = request.cache_prefix
+        pin = CachePin(encoded.pin_tokens, prefix.ttl_s) if prefix is not None and encoded.pin_tokens else None
         task = Task(
             task_id=task_id,
             prompt_len=len(prompt_ids),
@@ -229,6 +232,7 @@ class InferenceEngine(Conveniences):
             generator=generator,
             min_tokens=request.min_tokens,
             priority=request.priority,
+            pin=pin,
             logprobs=request.logprobs,
             matcher=matcher,
             guard=guard,

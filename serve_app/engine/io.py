@@ -139,6 +139,20 @@ class StructuredOutput(BaseModel):
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
+# The longest a prompt-caching breakpoint keeps its prefix (OpenAI's `prompt_cache_retention: 24h`).
+MAX_CACHE_TTL_S = 24 * 3600.0
+
+
+class CachePrefix(BaseModel):
+    """A prompt-caching breakpoint: keep the prompt's prefix cached for `ttl_s` (pinned in the page pool, or in a
+    KV tier when the pool is short). The prefix is the whole prompt, or the conversation `messages` (up to the
+    breakpoint, rendered as the prompt's are, tools included) where given."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttl_s: float = Field(gt=0, le=MAX_CACHE_TTL_S)
+    messages: list[dict[str, Any]] | None = None
+
 
 class GenerateRequest(BaseModel):
     """One generation: a prompt (text or token ids) or chat messages, sampling and stop settings."""
@@ -180,6 +194,7 @@ class GenerateRequest(BaseModel):
     suffix: str | None = Field(
         None, description="the text after the insertion (fill in the middle between prompt and suffix); a text prompt only"
     )
+    cache_prefix: CachePrefix | None = Field(None, description="keep the prompt's prefix cached for a while")
 
     @model_validator(mode="before")
     @classmethod
@@ -230,6 +245,8 @@ class GenerateRequest(BaseModel):
             raise ValueError("suffix: give it with a text prompt")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: {self.min_tokens} is over max_tokens={self.max_tokens}")
+        if self.cache_prefix is not None and self.cache_prefix.messages is not None and self.messages is None:
+            raise ValueError("cache_prefix: its messages go with chat messages")
         if self.min_tokens and self.structured_output is not None:
             raise ValueError("min_tokens: not with a structured output (its grammar decides where the answer ends)")
         return self
@@ -239,7 +256,8 @@ class GenerateRequest(BaseModel):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # of the prompt, found in the prefix cache
+    cache_written_tokens: int = 0  # of the prompt, not found there but kept there for its breakpoint's TTL
 
 
 @dataclass(frozen=True)
@@ -291,6 +309,7 @@ class EncodedRequest:
     prompt_ids: list[int]
     engine_salt: str = ""
     trace_context: dict[str, str] = field(default_factory=dict)
+    pin_tokens: int = 0  # the leading prompt tokens its `cache_prefix` keeps cached
 
     @property
     def prefix_salt(self) -> str:

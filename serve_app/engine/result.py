@@ -21,6 +21,7 @@ class GenerateResult:
     finish_reason: FinishReason | None = None
     error: str | None = None
     cached_tokens: int = 0
+    cache_written_tokens: int = 0
     queue_time_s: float | None = None
     stop_string: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -36,7 +37,7 @@ class GenerateResult:
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, len(self.token_ids), self.cached_tokens)
+        return Usage(self.prompt_tokens, len(self.token_ids), self.cached_tokens, self.cache_written_tokens)
 
     def publish(self, delta: StreamDelta) -> None:
         """Called by the scheduler thread: record a delta (the first and the last carry the usage, the first the
@@ -47,6 +48,7 @@ class GenerateResult:
             self.logprobs.extend(delta.logprobs)
             if delta.usage is not None:
                 self.cached_tokens = delta.usage.cached_tokens
+                self.cache_written_tokens = delta.usage.cache_written_tokens
             if delta.queue_time_s is not None:
                 self.queue_time_s = delta.queue_time_s
             if delta.finish_reason is not None:

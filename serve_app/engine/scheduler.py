@@ -17,7 +17,7 @@ from serve_app.config import SchedulerConfig
 from serve_app.engine.emitting import Emitted
 from serve_app.engine.io import StreamDelta
 from serve_app.engine.speculation import Speculator
-from serve_app.engine.task import Task, TaskState
+from serve_app.engine.task import CachePin, Task, TaskState
 from serve_app.engine.tier_loading import TierLoading
 from serve_app.engine.waiting import WaitingQueue
 from serve_app.kv.base import KVCache
@@ -111,6 +111,14 @@ class Scheduler:
         for entry, task in zip(batch.entries, batch.tasks):
             task.num_computed = min(entry.end, task.num_tokens)
             self.cache.commit(task.task_id, task.tokens, task.num_computed)
+            if task.pin is not None and task.num_computed >= task.pin.tokens:
+                self._pin(task, task.pin)
+
+    def _pin(self, task: Task, pin: CachePin) -> None:
+        """Keep the prompt's prefix cached for its breakpoint's TTL; what the cache did not hold before was written."""
+        kept = self.cache.pin(task.tokens[: pin.tokens], task.cache_salt, pin.ttl_s)
+        task.cache_written_tokens = max(0, kept - task.cached_tokens)
+        task.pin = None
 
     def ran(self, batch: Batch, seconds: float) -> None:
         """A whole batch ran in `seconds`: a decode-only one's time tells speculation what proposals cost."""

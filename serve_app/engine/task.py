@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 DeltaSink = Callable[[int, StreamDelta], None]
 
 
+@dataclass(frozen=True)
+class CachePin:
+    """Keep the first `tokens` of the prompt cached for `ttl_s` once they are computed (a prompt-caching breakpoint)."""
+
+    tokens: int
+    ttl_s: float
+
+
 class TaskState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -51,6 +59,8 @@ class Task:
     generator: torch.Generator | None = None
     min_tokens: int = 0  # before this many output tokens, no stop token id may be chosen nor a stop string end it
     priority: int = 0  # lower is admitted first, under the priority scheduling policy
+    pin: CachePin | None = None  # its prompt's prefix to keep cached, until its prefill has computed it
+    cache_written_tokens: int = 0  # prompt tokens its pin kept that the prefix cache did not hold before
     logprobs: int | None = None
     matcher: xgrammar.GrammarMatcher | None = None  # a structured-output request's grammar state
     guard: AnswerGuard | None = None  # a JSON or tool-call answer's repeats and lengths
@@ -91,7 +101,7 @@ class Task:
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.prompt_len, self.num_output, self.cached_tokens)
+        return Usage(self.prompt_len, self.num_output, self.cached_tokens, self.cache_written_tokens)
 
     def admitted(self, cached_tokens: int) -> None:
         """Its first admission: how much of its prompt the cache held, and how long it waited."""

@@ -26,6 +26,16 @@ class PromptEncoder:
         except RequestRefused as refused:
             raise ProtocolError.of(refused) from None
 
+    def _encode(self, request: GenerateRequest) -> tuple[list[int], int]:
+        """The prompt's ids, and how many of them its `cache_prefix` keeps cached."""
+        ids = list(request.prompt) if isinstance(request.prompt, list) else self.prompt_ids(request)
+        if request.cache_prefix is None:
+            return ids, 0
+        try:
+            return ids, self.tokenizer.cached_prefix_length(request, ids)
+        except RequestRefused as refused:
+            raise ProtocolError.of(refused) from None
+
     async def encode(
         self,
         requests: Sequence[GenerateRequest],
@@ -38,12 +48,13 @@ class PromptEncoder:
         encoded: list[EncodedRequest] = []
         for index, (request, salt) in enumerate(zip(requests, engine_salts)):
             if index % choices_per_prompt:
-                ids = encoded[index - index % choices_per_prompt].prompt_ids
-            elif isinstance(request.prompt, list):
-                ids = list(request.prompt)  # token ids as given: nothing to tokenize
+                first = encoded[index - index % choices_per_prompt]
+                ids, pinned = first.prompt_ids, first.pin_tokens
+            elif isinstance(request.prompt, list) and request.cache_prefix is None:
+                ids, pinned = list(request.prompt), 0  # token ids as given: nothing to tokenize
             else:
-                ids = await asyncio.to_thread(self.prompt_ids, request)
-            encoded.append(EncodedRequest(request, ids, salt, trace_context))
+                ids, pinned = await asyncio.to_thread(self._encode, request)
+            encoded.append(EncodedRequest(request, ids, salt, trace_context, pinned))
         return encoded
 
     async def count(self, request: GenerateRequest) -> int:

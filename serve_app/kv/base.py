@@ -40,6 +40,11 @@ class KVCache(ABC):
     def commit(self, task_id: int, tokens: Sequence[int], num_computed: int) -> None:
         """The first `num_computed` of `tokens` now have their k/v written: publish what can be shared."""
 
+    def pin(self, tokens: Sequence[int], cache_salt: str, ttl_s: float) -> int:
+        """Keep the cached prefix of `tokens` for `ttl_s` (a prompt-caching breakpoint); how many tokens that
+        holds. A cache without shared pages keeps none."""
+        return 0
+
     @abstractmethod
     def release(self, task_id: int) -> None:
         """The task is done or preempted: give its memory back."""

@@ -114,6 +114,9 @@ class PageCache(KVCache):
             self.pool.publish(entry.pages[index], entry.last_hash)
             entry.num_published = index + 1
 
+    def pin(self, tokens: Sequence[int], cache_salt: str, ttl_s: float) -> int:
+        return self.pool.pin(tokens, cache_salt, ttl_s) if self.enable_prefix_caching else 0
+
     def release(self, task_id: int) -> None:
         entry = self.tasks.pop(task_id)
         if entry is not None:

@@ -1,20 +1,23 @@
-"""PagePool: the allocator and the prefix cache together, so evictions and hits stay consistent."""
+"""PagePool: the allocator, the prefix cache and the pinned prefixes together, so evictions, hits and pins stay
+consistent."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from serve_app.kv.allocator import Allocator
+from serve_app.kv.pins import PinTable
 from serve_app.kv.prefix_cache import PageHash, PrefixCache, page_hashes
 
 
 class PagePool:
-    """Pages of `page_size` tokens: allocate, share by prefix, publish and release."""
+    """Pages of `page_size` tokens: allocate, share by prefix, publish, pin and release."""
 
     def __init__(self, n_pages: int, page_size: int) -> None:
         self.page_size = page_size
         self.prefix_cache = PrefixCache()
         self.allocator = Allocator(n_pages, on_evict=self.prefix_cache.drop)
+        self.pins = PinTable(n_pages // 2, self.allocator.retain, self.release, lambda: self.allocator.num_free)
         # Pages published since the last `take_published`, when something (the KV tiers) copies them out.
         self._published: list[tuple[PageHash, int]] | None = None
 
@@ -24,7 +27,8 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return self.allocator.num_free
+        """Pages an allocation can have: free, cached and unreferenced, or held by pins alone (let go for it)."""
+        return self.allocator.num_free + self.pins.held_alone(self.allocator.refs)
 
     def match_prefix(self, tokens: Sequence[int], cache_salt: str, max_pages: int) -> tuple[list[int], PageHash | None]:
         """Take a reference to each cached leading full page (at most `max_pages`); return them and the last hash."""
@@ -40,10 +44,27 @@ class PagePool:
         return pages, parent
 
     def allocate(self, count: int, keep_free: int = 0) -> list[int] | None:
-        """`count` new pages, leaving at least `keep_free` free; None (nothing taken) if that cannot be done."""
+        """`count` new pages, leaving at least `keep_free` free; None (nothing taken) if that cannot be done, even
+        with the pins let go (expired ones first, then those that expire soonest)."""
+        self.pins.expire()
+        self.pins.make_room(count + keep_free)
         if count + keep_free > self.allocator.num_free:
             return None
         return self.allocator.allocate(count)
+
+    def pin(self, tokens: Sequence[int], cache_salt: str, ttl_s: float) -> int:
+        """Keep the cached leading full pages of `tokens` for `ttl_s`; how many tokens that holds."""
+        pages: list[int] = []
+        last: PageHash | None = None
+        for page_hash in page_hashes(tokens, self.page_size, cache_salt):
+            page = self.prefix_cache.lookup(page_hash)
+            if page is None:
+                break
+            pages.append(page)
+            last = page_hash
+        if last is None or not self.pins.pin(last, pages, ttl_s):
+            return 0
+        return len(pages) * self.page_size
 
     def publish(self, page: int, page_hash: PageHash, record: bool = True) -> None:
         """Offer a fully written page to later requests (a no-op if the hash is already published)."""

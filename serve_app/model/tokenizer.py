@@ -97,5 +97,17 @@ class Tokenizer:
             return ids
         return list(prompt or [])
 
+    def cached_prefix_length(self, request: GenerateRequest, prompt_ids: Sequence[int]) -> int:
+        """How many leading tokens of `prompt_ids` the request's `cache_prefix` keeps: all of them, or those its
+        conversation up to the breakpoint renders to (where that render runs on past the prompt's, the ids
+        they share)."""
+        prefix = request.cache_prefix
+        if prefix is None:
+            return 0
+        if prefix.messages is None:
+            return len(prompt_ids)
+        head = self.encode_chat(prefix.messages, add_generation_prompt=False, tools=request.tools)
+        return next((i for i, (a, b) in enumerate(zip(head, prompt_ids)) if a != b), min(len(head), len(prompt_ids)))
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -194,3 +194,31 @@ def test_the_sdks_own_extra_fields_are_accepted(server: InProcessServer) -> None
     result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
     body = {"model": MODEL, "max_tokens": 1, "messages": [*CHAT, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]}
     assert _post(server, "/v1/messages", body).status_code == 200
+
+
+def test_anthropic_cache_control_writes_its_prefix_once_and_keeps_it(claude: anthropic.Anthropic, engine: InferenceEngine) -> None:
+    system = [{"type": "text", "text": "You tutor geography, rivers above all. " * 8, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    messages = [{"role": "user", "content": "Name a long river in Asia and one in Africa, please."}]
+    pins = len(engine.cache.pool.pins)
+    counted = claude.messages.count_tokens(model=MODEL, system=system, messages=messages).input_tokens
+    first = claude.messages.create(model=MODEL, max_tokens=1, system=system, messages=messages).usage
+    assert first.cache_creation_input_tokens > 0 and first.cache_read_input_tokens == 0
+    assert first.input_tokens > 0  # the question, after the breakpoint
+    assert first.input_tokens + first.cache_creation_input_tokens + first.cache_read_input_tokens == counted
+    assert len(engine.cache.pool.pins) == pins + 1
+    again = claude.messages.create(model=MODEL, max_tokens=1, system=system, messages=messages).usage
+    assert again.cache_creation_input_tokens == 0 and again.cache_read_input_tokens >= first.cache_creation_input_tokens
+    whole = claude.messages.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Which sea is saltiest? " * 6}],
+        extra_body={"cache_control": {"type": "ephemeral"}},
+    ).usage
+    assert whole.input_tokens < engine.cache.page_size <= whole.cache_creation_input_tokens  # the whole prompt, in pages
+
+
+def test_openai_prompt_cache_retention_keeps_the_prompt(oai: openai.OpenAI, engine: InferenceEngine) -> None:
+    pins = len(engine.cache.pool.pins)
+    chat = [{"role": "user", "content": "Describe the tides of the Atlantic at length. " * 4}]
+    oai.chat.completions.create(model=MODEL, messages=chat, max_tokens=1, extra_body={"prompt_cache_retention": "24h"})
+    oai.responses.create(model=MODEL, input="Describe the tides of the Pacific at length. " * 4, max_output_tokens=16,
+                         store=False, extra_body={"prompt_cache_retention": "in_memory"})
+    assert len(engine.cache.pool.pins) == pins + 2

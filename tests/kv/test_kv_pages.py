@@ -9,6 +9,7 @@ from serve_app.kv.allocator import Allocator
 from serve_app.kv.contiguous import ContiguousCache
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.page_pool import PagePool
+from serve_app.kv.pins import PinTable
 from serve_app.kv.prefix_cache import PrefixCache, chain_hash
 from serve_app.kv.storage import KVShape
 from serve_app.kv.transfer import KVTransfer
@@ -125,6 +126,50 @@ def test_under_eviction_pressure_a_cached_prefix_loses_its_tail_never_its_head()
         assert len(matched) == 4 - evicted, f"after {evicted} evictions the prefix kept {len(matched)} pages"
         cache.pool.release(matched)
         cache.release(2)
+
+
+def _cached(pool: PagePool, tokens: list[int], salt: str) -> int:
+    """How many of `tokens`' leading pages the pool holds now."""
+    matched, _ = pool.match_prefix(tokens, salt, max_pages=100)
+    pool.release(matched)
+    return len(matched)
+
+
+def test_a_pinned_prefix_outlives_eviction_until_it_expires_or_the_pool_needs_its_room() -> None:
+    pool = PagePool(n_pages=8, page_size=2)
+    now = [0.0]
+    pool.pins._clock = lambda: now[0]
+    pinned, unpinned = [1, 2, 3, 4], [5, 6, 7, 8]
+    for tokens, salt in ((pinned, "a"), (unpinned, "b")):
+        pages = pool.allocate(2)
+        parent = None
+        for index, page in enumerate(pages):
+            parent = chain_hash(parent, tokens[index * 2 : index * 2 + 2], salt)
+            pool.publish(page, parent)
+        pool.release(pages)
+    assert pool.pin(pinned, "a", ttl_s=300) == 4 and pool.pin(pinned, "a", ttl_s=60) == 4  # the second extends
+    assert pool.allocator.num_free == 6 and pool.num_free == 8 and pool.pins.num_pages == 2  # pinned: free to take
+    pool.release(pool.allocate(6))  # every free page, the unpinned prefix's among them
+    assert _cached(pool, unpinned, "b") == 0 and _cached(pool, pinned, "a") == 2
+    taken = pool.allocate(7)  # more than the unpinned room: the pin is let go (to a tier, where there is one)
+    assert taken is not None and len(pool.pins) == 0 and _cached(pool, pinned, "a") == 1  # evicted tail first
+    pool.release(taken)
+    assert pool.pin([9, 9, 9, 9], "c", ttl_s=1) == 0  # nothing cached: nothing to pin
+    pages = pool.allocate(2)
+    pool.publish(pages[0], chain_hash(None, [9, 9], "c"))
+    pool.release(pages)
+    assert pool.pin([9, 9, 9, 9], "c", ttl_s=10) == 2
+    now[0] = 11.0
+    pool.allocate(0)  # any allocation lets expired pins go
+    assert len(pool.pins) == 0 and pool.num_free == 8 and _cached(pool, [9, 9], "c") == 1
+
+
+def test_pins_hold_at_most_their_share_letting_the_soonest_expiring_go() -> None:
+    retained, released = [], []
+    table = PinTable(2, retained.append, released.extend, num_free=lambda: 0, clock=lambda: 0.0)
+    assert not table.pin(b"long", [1, 2, 3], ttl_s=5) and retained == []
+    assert table.pin(b"short", [1], ttl_s=5) and table.pin(b"later", [2, 3], ttl_s=10)
+    assert released == [1] and table.num_pages == 2 and len(table) == 1
 
 
 def test_a_store_that_fails_midway_gives_every_page_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,11 +58,12 @@ class Choice:
 
 def total_usage(prepared: PreparedRequest, choices: Sequence[Choice]) -> Usage:
     """Usage over all choices: each prompt counted once, completions summed."""
-    prompt = cached = completion = 0
+    prompt = cached = written = completion = 0
     for choice in choices:
         usage = choice.usage or Usage(0, 0, 0)
         if choice.index % prepared.choices_per_prompt == 0:
             prompt += usage.prompt_tokens
             cached += usage.cached_tokens
+            written += usage.cache_written_tokens
         completion += len(choice.token_ids)
-    return Usage(prompt, completion, cached)
+    return Usage(prompt, completion, cached, written)

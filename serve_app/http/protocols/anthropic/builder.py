@@ -88,12 +88,12 @@ def _stop_reason(choice: Choice) -> str:
 
 
 def _usage_json(usage: Usage) -> dict[str, int]:
-    # Anthropic counts cache reads apart from input_tokens: input_tokens + cache_read_input_tokens = the prompt.
+    # Anthropic counts cache reads and writes apart from input_tokens: the three together are the prompt.
     return {
-        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens - usage.cache_written_tokens,
         "output_tokens": usage.completion_tokens,
         "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": usage.cache_written_tokens,
     }
 
 
@@ -138,6 +138,7 @@ class MessagesBuilder(ResponseBuilder):
             structured_output=req.output_constraint(tools, tool_plan),
             max_string_tokens=req.max_string_tokens,
             lora=adapter_of(model, req.model),
+            cache_prefix=req.cache_prefix(tools, tool_plan),
         )
         constraint = request.structured_output
         blocks = _BlockStream(constraint) if tool_plan is not None and constraint else None

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from serve_app.engine.io import ModelInfo, StructuredOutput
+from serve_app.engine.io import CachePrefix, ModelInfo, StructuredOutput
 from serve_app.http.protocols.fields import RequestModel, UnknownFields, refuse_fields, validate_body
 from serve_app.http.protocols.openai.schema import text_only
 from serve_app.http.served_models import adapter_of
@@ -16,10 +16,14 @@ from serve_app.http.tools.plan import Prompt, ToolCall, ToolCallFormat, ToolPlan
 
 
 class CacheControl(RequestModel):
-    """A prompt-caching breakpoint: the prompt up to here is cached (5 minutes unless `ttl` says 1 hour)."""
+    """A prompt-caching breakpoint: the prompt up to here is kept cached (5 minutes unless `ttl` says 1 hour)."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
+
+    @property
+    def ttl_s(self) -> float:
+        return 3600.0 if self.ttl == "1h" else 300.0
 
 
 class TextBlock(RequestModel):
@@ -136,6 +140,26 @@ class CountTokensRequest(RequestModel):
             return plan(specs, None)
         kind = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[self.tool_choice.type]
         return plan(specs, kind, self.tool_choice.name, parallel=not self.tool_choice.disable_parallel_tool_use)
+
+    def cache_prefix(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> CachePrefix | None:
+        """Anthropic's prompt caching: the prompt up to its last breakpoint, kept for the longest TTL its breakpoints
+        ask. A block's breakpoint keeps the whole of its message; one on a tool or the system keeps the system
+        (the first message where there is no system); the top-level `cache_control` keeps the whole prompt."""
+        marks = [(len(self.messages), self.cache_control)] if self.cache_control is not None else []
+        marks += [(0, tool.cache_control) for tool in self.tools or [] if tool.cache_control is not None]
+        if isinstance(self.system, list):
+            marks += [(0, block.cache_control) for block in self.system if block.cache_control is not None]
+        for index, message in enumerate(self.messages):
+            if not isinstance(message.content, str):
+                marks += [(index + 1, b.cache_control) for b in message.content if b.cache_control is not None]
+        if not marks:
+            return None
+        ttl_s = max(control.ttl_s for _, control in marks)
+        kept = max(count for count, _ in marks) or (0 if self.system else 1)
+        if kept >= len(self.messages):
+            return CachePrefix(ttl_s=ttl_s)
+        head = self.model_copy(update={"messages": self.messages[:kept]})
+        return CachePrefix(ttl_s=ttl_s, messages=head.prompt(tools, tool_plan).messages)
 
     def prompt(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> Prompt:
         """System and turns for the chat template, in the model's tool-call format: a message's tool

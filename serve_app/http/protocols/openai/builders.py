@@ -20,6 +20,7 @@ from serve_app.http.protocols.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    retained,
 )
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.served_models import adapter_of
@@ -180,7 +181,7 @@ class ChatCompletionsBuilder(ResponseBuilder):
         limits.check_choices(req.n)
         requests = [
             GenerateRequest(
-                messages=prompt.messages, tools=prompt.tools,
+                messages=prompt.messages, tools=prompt.tools, cache_prefix=retained(req.prompt_cache_retention),
                 **req.engine_fields(max_tokens, logprobs, choice, constraint, lora),
             )
             for choice in range(req.n)

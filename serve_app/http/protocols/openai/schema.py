@@ -8,10 +8,20 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from serve_app.engine.io import SamplingParams, StructuredOutput
+from serve_app.engine.io import CachePrefix, SamplingParams, StructuredOutput
 from serve_app.http.protocols.errors import invalid
 from serve_app.http.protocols.fields import RequestModel, from_validation_error
 from serve_app.http.tools.plan import Prompt, ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, plan
+
+CacheRetention = Literal["in_memory", "24h"]
+# OpenAI's `prompt_cache_retention`: in memory, a prefix lasts "5 to 10 minutes of inactivity"; extended, 24 hours.
+RETENTION_S = {"in_memory": 600.0, "24h": 24 * 3600.0}
+
+
+def retained(retention: CacheRetention | None) -> CachePrefix | None:
+    """The whole prompt kept cached as long as `prompt_cache_retention` says (nothing kept where it is unset)."""
+    return CachePrefix(ttl_s=RETENTION_S[retention]) if retention is not None else None
+
 
 # logit_bias entries at most (OpenAI's API takes up to 300; a client may bias a few thousand tokens at once).
 MAX_LOGIT_BIAS = 4096
@@ -116,7 +126,6 @@ UNSUPPORTED = {
     "service_tier": "only auto or default: there is one tier",
     "reasoning_effort": "this model has no reasoning mode",
     "verbosity": "not supported",
-    "prompt_cache_retention": "not supported",
     "guided_json": "not supported; send structured_outputs: {\"json\": ...}",
     "guided_regex": "not supported; send structured_outputs: {\"regex\": ...}",
     "guided_choice": "not supported; send structured_outputs: {\"choice\": ...}",
@@ -333,6 +342,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     safety_identifier: str | None = Field(None, max_length=256, description="recorded on the request's trace span")
     prompt_cache_key: str | None = Field(None, max_length=1024, description="the prompt's cache salt: cache_salt")
+    prompt_cache_retention: CacheRetention | None = Field(None, description="keep the prompt cached this long")
 
     @model_validator(mode="after")
     def _one_salt(self) -> ChatCompletionRequest:

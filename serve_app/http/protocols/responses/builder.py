@@ -14,6 +14,7 @@ from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.fields import refuse_fields, validate_body
 from serve_app.http.protocols.openai import ERRORS as OPENAI_ERRORS
+from serve_app.http.protocols.openai.schema import retained
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.protocols.responses.schema import ACCEPTED, UNSUPPORTED, FunctionChoice, ResponsesRequest
 from serve_app.http.response_store import StoredResponse
@@ -95,6 +96,7 @@ class ResponsesBuilder(ResponseBuilder):
             max_string_tokens=req.max_string_tokens,
             lora=lora,
             cache_salt=req.prompt_cache_key,
+            cache_prefix=retained(req.prompt_cache_retention),
         )
         end_user = req.safety_identifier or req.user
         prepared = PreparedRequest(requests=[request], stream=req.stream, model=req.model, end_user=end_user)
@@ -149,6 +151,7 @@ class ResponsesFormatter(ResponseFormatter):
             "user": req.user,
             "safety_identifier": req.safety_identifier,
             "prompt_cache_key": req.prompt_cache_key,
+            "prompt_cache_retention": req.prompt_cache_retention,
             "metadata": req.metadata or {},
         }
 

@@ -11,7 +11,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 from serve_app.engine.io import StructuredOutput
 from serve_app.http.protocols.errors import invalid
 from serve_app.http.protocols.fields import RequestModel, validate_part
-from serve_app.http.protocols.openai.schema import text_only
+from serve_app.http.protocols.openai.schema import CacheRetention, text_only
 from serve_app.http.tools.plan import ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, call_names, plan
 
 
@@ -104,7 +104,6 @@ UNSUPPORTED = {
     "max_tool_calls": "not supported",
     "service_tier": "not supported",
     "context_management": "not supported",
-    "prompt_cache_retention": "not supported",
     "prompt_cache_options": "not supported",
     "stream_options": "only include_obfuscation: false (deltas are not padded here)",
 }
@@ -129,6 +128,7 @@ class ResponsesRequest(RequestModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = Field(None, max_length=1024, description="the prompt's cache salt")
+    prompt_cache_retention: CacheRetention | None = Field(None, description="keep the prompt cached this long")
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
     max_string_tokens: int | None = Field(None, ge=1)
