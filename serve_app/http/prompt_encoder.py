@@ -60,3 +60,27 @@ class PromptEncoder:
     async def count(self, request: GenerateRequest) -> int:
         return len(await asyncio.to_thread(self.prompt_ids, request))
 
+    async def tokenize(
+        self, request: GenerateRequest, add_generation_prompt: bool = True, add_special_tokens: bool = True
+    ) -> list[int]:
+        """`/tokenize`: a chat through the template (its generation prompt where asked), or text (with the
+        tokenizer's special tokens where asked), off the event loop."""
+
+        def encode() -> list[int]:
+            if request.messages is not None:
+                try:
+                    return self.tokenizer.encode_chat(request.messages, add_generation_prompt, request.tools)
+                except RequestRefused as refused:
+                    raise ProtocolError.of(refused) from None
+            return list(self.tokenizer.hf.encode(request.prompt, add_special_tokens=add_special_tokens))
+
+        return await asyncio.to_thread(encode)
+
+    async def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary writes it."""
+        return await asyncio.to_thread(self.tokenizer.hf.convert_ids_to_tokens, list(ids))
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """`/detokenize`: the text of `ids`, special tokens included (as vLLM's route decodes them)."""
+        return await asyncio.to_thread(self.tokenizer.decode, ids, False)
+

@@ -222,3 +222,44 @@ def test_openai_prompt_cache_retention_keeps_the_prompt(oai: openai.OpenAI, engi
     oai.responses.create(model=MODEL, input="Describe the tides of the Pacific at length. " * 4, max_output_tokens=16,
                          store=False, extra_body={"prompt_cache_retention": "in_memory"})
     assert len(engine.cache.pool.pins) == pins + 2
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(server: InProcessServer, engine: InferenceEngine, oai: openai.OpenAI) -> None:
+    text = _post(server, "/tokenize", {"model": MODEL, "prompt": "Hello there", "return_token_strs": True}).json()
+    assert text["tokens"] == engine.tokenizer.encode("Hello there") and text["count"] == len(text["tokens"])
+    assert text["max_model_len"] == engine.max_model_len and "".join(text["token_strs"]).replace("Ġ", " ") == "Hello there"
+    chat = _post(server, "/tokenize", {"model": MODEL, "messages": CHAT}).json()
+    usage = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens and chat["token_strs"] is None  # what the chat route runs
+    bare = _post(server, "/tokenize", {"messages": CHAT, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat["tokens"][: bare["count"]] and bare["count"] < chat["count"]
+    back = _post(server, "/detokenize", {"model": MODEL, "tokens": chat["tokens"]}).json()["prompt"]
+    assert back == engine.tokenizer.apply_chat_template(CHAT)
+    for path, body, param in [
+        ("/detokenize", {"tokens": [10**7]}, "tokens"),
+        ("/tokenize", {"prompt": "x", "chat_template": "{{ x }}"}, "chat_template"),
+        ("/tokenize", {"prompt": "x", "add_special_token": True}, "add_special_token"),
+        ("/tokenize", {"model": "nope", "prompt": "x"}, "model"),
+    ]:
+        refused = _post(server, path, body)
+        assert refused.status_code in (400, 404) and refused.json()["error"]["param"] == param, refused.text
+
+
+def test_anthropic_model_list_in_anthropics_shape(claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
+    listed = claude.models.list()
+    assert [m.id for m in listed.data] == [m.id for m in oai.models.list().data] and listed.data[0].type == "model"
+    assert claude.models.retrieve(MODEL).id == MODEL and claude.models.retrieve(MODEL).created_at.year >= 2024
+    with pytest.raises(anthropic.NotFoundError):
+        claude.models.retrieve("nope")
+    with pytest.raises(anthropic.BadRequestError):
+        claude.models.list(limit=0)
+
+
+def test_a_messages_name_reaches_the_chat_template() -> None:
+    from serve_app.http.protocols.openai.schema import ChatMessage, chat_prompt
+    from serve_app.http.tools import format_for
+
+    messages = [ChatMessage(role="user", content="Hi", name="ann"), ChatMessage(role="user", content="Yo")]
+    for tool_format in ("generic", "hermes"):
+        rendered = chat_prompt(messages, format_for(tool_format), None).messages
+        assert rendered[0]["name"] == "ann" and "name" not in rendered[1]

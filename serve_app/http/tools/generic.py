@@ -41,7 +41,7 @@ class GenericFormat(ToolCallFormat):
             elif turn.calls:
                 messages.append({"role": "assistant", "content": _calls_as_output(turn.calls)})
             else:
-                messages.append({"role": turn.role, "content": turn.content})
+                messages.append(turn.message(turn.role, turn.content))
         if plan is not None:
             described = _system_prompt(plan)
             if messages and messages[0]["role"] == "system":

@@ -30,7 +30,7 @@ class _TemplateFormat(ToolCallFormat):
         names = call_names(turns)
         messages: list[dict[str, Any]] = []
         for turn in turns:
-            message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+            message = turn.message(turn.role, turn.content)
             if turn.calls:
                 message["tool_calls"] = [
                     {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments_value(call.arguments)}}

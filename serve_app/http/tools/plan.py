@@ -67,6 +67,11 @@ class Turn:
     calls: tuple[ToolCall, ...] = ()  # an assistant turn's tool calls
     call_id: str | None = None  # the call a tool turn answers
     name: str | None = None  # that call's tool, where the conversation names it
+    author: str | None = None  # the participant's name (OpenAI's message `name`), given to the template
+
+    def message(self, role: str, content: str) -> dict[str, Any]:
+        """A template message of this turn: `role` and `content`, and its author's `name` where it has one."""
+        return {"role": role, "content": content, **({"name": self.author} if self.author else {})}
 
 
 @dataclass(frozen=True)

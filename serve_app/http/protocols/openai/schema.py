@@ -380,16 +380,21 @@ class ChatCompletionRequest(SamplingFields):
 
     def prompt(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> Prompt:
         """The conversation for the chat template, in the model's tool-call format."""
-        turns = []
-        for m in self.messages:
-            if m.role == "tool":
-                turns.append(Turn("tool", m.text(), call_id=m.tool_call_id))
-            elif m.tool_calls:
-                calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls)
-                turns.append(Turn("assistant", m.text(), calls=calls))
-            else:
-                turns.append(Turn("system" if m.role == "developer" else m.role, m.text()))
-        return tools.prompt(turns, tool_plan)
+        return chat_prompt(self.messages, tools, tool_plan)
+
+
+def chat_prompt(messages: list[ChatMessage], tools: ToolCallFormat, tool_plan: ToolPlan | None) -> Prompt:
+    """Chat messages as the chat template takes them, in the model's tool-call format."""
+    turns = []
+    for m in messages:
+        if m.role == "tool":
+            turns.append(Turn("tool", m.text(), call_id=m.tool_call_id))
+        elif m.tool_calls:
+            calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls)
+            turns.append(Turn("assistant", m.text(), calls=calls, author=m.name))
+        else:
+            turns.append(Turn("system" if m.role == "developer" else m.role, m.text(), author=m.name))
+    return tools.prompt(turns, tool_plan)
 
 
 class CompletionRequest(SamplingFields):
