@@ -153,7 +153,8 @@ class Ingress:
             tokenizer = Tokenizer(resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir))
             prompts = PromptEncoder(tokenizer)
             clients[model_id] = RayEngineClient(engine, board, prompts)
-        metrics = ServerMetrics(serve.get_replica_context().replica_id.unique_id, RayMetrics(REQUEST_METRICS))
+        replica = serve.get_replica_context().replica_id.unique_id
+        metrics = ServerMetrics(replica, RayMetrics(REQUEST_METRICS), server.metrics_names)
         self.context = ServerContext(
             ServedModels(clients), server, metrics, tenants=tenants, responses=RayResponses(responses)
         )

@@ -310,6 +310,11 @@ class ServerConfig(_Strict):
         description="a request field its API does not have: a 400 naming it, as OpenAI's API answers (reject), or "
         "accepted and logged once per field, as vLLM does (warn: for clients that send vendor fields)",
     )
+    metrics_names: Literal["serve_app", "vllm"] = Field(
+        "serve_app",
+        description="how /metrics names its series: `serve_app:*` labelled replica, or vLLM's own `vllm:*` labelled "
+        "engine (for vLLM's Grafana dashboard and autoscaler recipes keyed on vllm:num_requests_waiting)",
+    )
     max_concurrent_per_tenant: int = Field(256, ge=1, description="a tenant's requests in flight per ingress; 429 past it")
     api_keys_file: str | None = Field(
         None, description="YAML or JSON: API key -> {tenant, role}; default: the file SERVE_APP_API_KEYS names"

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 # The tiers a cached page can come from besides the engine's own pool.
 TIER_NAMES = ("host", "disk", "cluster")
+# The bounds of the tokens-per-step histogram an engine keeps (vLLM's `iteration_tokens_total`).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 # -- what a request asks for -------------------------------------------------------------------

@@ -9,13 +9,14 @@ The loop (`loop.py`) calls it from the engine's thread; the step (`step.py`) run
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from serve_app.config import SchedulerConfig
 from serve_app.engine.emitting import Emitted
-from serve_app.engine.io import StreamDelta
+from serve_app.engine.io import ITERATION_TOKEN_BUCKETS, StreamDelta
 from serve_app.engine.speculation import Speculator
 from serve_app.engine.task import CachePin, Task, TaskState
 from serve_app.engine.tier_loading import TierLoading
@@ -37,6 +38,14 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int = 0  # of those, tokens found there (in the pool or a KV tier)
     preemptions: int = 0
     steps: int = 0
+    step_tokens_sum: int = 0  # tokens over all steps' forwards
+    step_tokens: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))  # steps by size
+
+    def record_step(self, tokens: int) -> None:
+        """One forward of `tokens` tokens, counted in the first bucket whose bound holds it (the last: larger)."""
+        self.steps += 1
+        self.step_tokens_sum += tokens
+        self.step_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
 
 
 @dataclass(frozen=True)
@@ -107,7 +116,7 @@ class Scheduler:
 
     def computed(self, batch: Batch) -> None:
         """The forward over `batch` wrote its tokens' k/v: publish what can be shared."""
-        self.stats.steps += 1
+        self.stats.record_step(sum(entry.num_new for entry in batch.entries))
         for entry, task in zip(batch.entries, batch.tasks):
             task.num_computed = min(entry.end, task.num_tokens)
             self.cache.commit(task.task_id, task.tokens, task.num_computed)

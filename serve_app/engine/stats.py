@@ -1,5 +1,5 @@
 """engine_stats: an engine's counters as one flat dict (what `/stats`, the metrics and the activity log read):
-the scheduler's counts and queues, the cache's pages, prefix-cache hits by tier, the KV tiers' usage,
+the scheduler's counts and queues and its steps' sizes, the cache's pages and configuration, prefix-cache hits by tier, the KV tiers' usage,
 speculative decoding's counts and the compiled forward's state."""
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ def _counters(engine: InferenceEngine, stats: SchedulerStats) -> dict[str, int]:
         "prefill_tokens": stats.prefill_tokens,
         "preemptions": stats.preemptions,
         "steps": stats.steps,
+        "iteration_tokens_sum": stats.step_tokens_sum,
+        **{f"iteration_tokens_bucket_{index}": count for index, count in enumerate(stats.step_tokens)},
+        "kv_page_size": getattr(engine.cache, "page_size", 1),
+        "prefix_caching": int(getattr(engine.cache, "enable_prefix_caching", False)),
         "lora_adapters_loaded": len(adapters.loaded()) if adapters is not None else 0,
         "lora_adapter_loads": adapters.loads if adapters is not None else 0,
     }

@@ -25,13 +25,15 @@ from serve_app.metrics.prometheus import ServerMetrics
 class ServerContext:
     models: ServedModels
     config: ServerConfig = field(default_factory=ServerConfig)
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    metrics: ServerMetrics | None = None  # None: one in this process, named as the config says
     tenants: TenantDirectory = field(default_factory=TenantDirectory.open)
     responses: Responses | None = None  # the Responses API's store; None: one in this process
     slots: TenantSlots = field(init=False)
     limits: RequestLimits = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = ServerMetrics(naming=self.config.metrics_names)
         if self.responses is None:
             self.responses = LocalResponses(
                 ResponseStore(self.config.max_stored_responses, self.config.stored_response_max_age_s)
