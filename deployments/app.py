@@ -35,7 +35,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     server = config.server
     board = ReplicaBoard.bind()
     engines = {
-        llm.model_id: EngineDeployment.options(name=llm.deployment_name, **llm.deployment_config).bind(
+        llm.model_id: EngineDeployment.options(name=llm.deployment_name, **llm.serve_options()).bind(
             llm.model_dump(mode="json", exclude_defaults=True), board, server.otlp_traces_endpoint
         )
         for llm in config.llm_configs

@@ -65,7 +65,9 @@ class EngineDeployment:
             HEARTBEAT_S,
         )
         self._reporter = asyncio.get_running_loop().create_task(reporter.run())
-        self._metrics = asyncio.get_running_loop().create_task(self._mirror_metrics(RayMetrics(ENGINE_METRICS, totals=True)))
+        self._metrics = None  # copying the engine's state into Ray's metrics, where `log_engine_metrics` asks
+        if llm_config.log_engine_metrics:
+            self._metrics = asyncio.get_running_loop().create_task(self._mirror_metrics(RayMetrics(ENGINE_METRICS, totals=True)))
 
     async def generate(self, request: EncodedRequest) -> AsyncIterator[StreamDelta | RequestRefused]:
         """The request's deltas, or the one `RequestRefused` it amounts to (a value: an exception raised in a Ray
