@@ -141,6 +141,13 @@ class StructuredOutput(BaseModel):
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
+# What the server gives a chat template itself; `chat_template_kwargs` may not set them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize", "chat_template",
+    "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length", "return_tensors",
+    "tokenizer_kwargs",
+})
+
 # The longest a prompt-caching breakpoint keeps its prefix (OpenAI's `prompt_cache_retention: 24h`).
 MAX_CACHE_TTL_S = 24 * 3600.0
 
@@ -197,6 +204,17 @@ class GenerateRequest(BaseModel):
         None, description="the text after the insertion (fill in the middle between prompt and suffix); a text prompt only"
     )
     cache_prefix: CachePrefix | None = Field(None, description="keep the prompt's prefix cached for a while")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="the chat template's further variables (`enable_thinking`, ...); with messages only"
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {reserved[0]!r} is the server's to set")
+        return kwargs
 
     @model_validator(mode="before")
     @classmethod
@@ -247,6 +265,8 @@ class GenerateRequest(BaseModel):
             raise ValueError("suffix: give it with a text prompt")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: {self.min_tokens} is over max_tokens={self.max_tokens}")
+        if self.chat_template_kwargs is not None and self.messages is None:
+            raise ValueError("chat_template_kwargs: give them with messages")
         if self.cache_prefix is not None and self.cache_prefix.messages is not None and self.messages is None:
             raise ValueError("cache_prefix: its messages go with chat messages")
         if self.min_tokens and self.structured_output is not None:

@@ -69,7 +69,9 @@ class PromptEncoder:
         def encode() -> list[int]:
             if request.messages is not None:
                 try:
-                    return self.tokenizer.encode_chat(request.messages, add_generation_prompt, request.tools)
+                    return self.tokenizer.encode_chat(
+                        request.messages, add_generation_prompt, request.tools, request.chat_template_kwargs
+                    )
                 except RequestRefused as refused:
                     raise ProtocolError.of(refused) from None
             return list(self.tokenizer.hf.encode(request.prompt, add_special_tokens=add_special_tokens))

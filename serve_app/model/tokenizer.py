@@ -53,25 +53,35 @@ class Tokenizer:
         return template_tool_format(template) if isinstance(template, str) else "generic"
 
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The template's text for `messages` (and `tools`, OpenAI's function-tool shape, where it takes them)."""
+        """The template's text for `messages` (and `tools`, OpenAI's function-tool shape, where it takes them), with
+        `template_kwargs` as the template's further variables (vLLM's `chat_template_kwargs`: `enable_thinking`)."""
         from jinja2 import TemplateError
 
         if not self.hf.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template; send a plain prompt instead")
         try:
             return self.hf.apply_chat_template(
-                list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+                list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
             )
         except TemplateError as error:
             raise InvalidRequestError("messages", f"the model's chat template refuses them: {error}") from None
 
     def encode_chat(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Chat messages -> prompt ids through the template (which already holds the special tokens)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def fill_in_the_middle(self, prefix: str, suffix: str) -> str:
@@ -89,7 +99,7 @@ class Tokenizer:
         model's fill-in-the-middle form), ids as they are."""
         prompt = request.prompt
         if request.messages is not None:
-            return self.encode_chat(request.messages, tools=request.tools)
+            return self.encode_chat(request.messages, tools=request.tools, template_kwargs=request.chat_template_kwargs)
         if isinstance(prompt, str):
             ids = self.encode(prompt if request.suffix is None else self.fill_in_the_middle(prompt, request.suffix))
             if not ids:
@@ -106,7 +116,7 @@ class Tokenizer:
             return 0
         if prefix.messages is None:
             return len(prompt_ids)
-        head = self.encode_chat(prefix.messages, add_generation_prompt=False, tools=request.tools)
+        head = self.encode_chat(prefix.messages, False, request.tools, request.chat_template_kwargs)
         return next((i for i, (a, b) in enumerate(zip(head, prompt_ids)) if a != b), min(len(head), len(prompt_ids)))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -263,3 +263,27 @@ def test_a_messages_name_reaches_the_chat_template() -> None:
     for tool_format in ("generic", "hermes"):
         rendered = chat_prompt(messages, format_for(tool_format), None).messages
         assert rendered[0]["name"] == "ann" and "name" not in rendered[1]
+
+
+def test_chat_template_kwargs_reach_the_template(server: InProcessServer, model_path, tmp_path) -> None:
+    import shutil
+
+    from serve_app.model.tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_path / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}\n{% endfor %}{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% endif %}"
+    )
+    tokenizer = Tokenizer(tmp_path)
+    plain = tokenizer.apply_chat_template(CHAT)
+    assert tokenizer.apply_chat_template(CHAT, template_kwargs={"enable_thinking": False}) == plain + "<think></think>"
+    for path, body in [
+        ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1, "chat_template_kwargs": {"tools": []}}),
+        ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}),
+    ]:
+        refused = _post(server, path, body)
+        assert refused.status_code == 400 and "chat_template_kwargs" in refused.json()["error"]["message"], refused.text
+    accepted = _post(server, "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert accepted.status_code == 200  # the embedded model's template ignores it

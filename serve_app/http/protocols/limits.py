@@ -137,7 +137,8 @@ def prompt_characters(request: GenerateRequest) -> int:
         for message in request.messages
         for value in message.values()
     )
-    return text + (len(json.dumps(request.tools)) if request.tools else 0)
+    extras = (request.tools, request.chat_template_kwargs)
+    return text + sum(len(json.dumps(extra)) for extra in extras if extra)
 
 
 def check_vocabulary(request: GenerateRequest, vocab_size: int) -> None:

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from serve_app.engine.io import GenerateRequest
-from serve_app.http.protocols.fields import RequestModel, UnknownFields, refuse_fields, validate_body
+from serve_app.http.protocols.fields import RequestModel, UnknownFields, from_validation_error, refuse_fields, validate_body
 from serve_app.http.protocols.openai.schema import ChatMessage, ChatTool, chat_prompt
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import ToolSpec, plan
 
 UNSUPPORTED = {
     "chat_template": "not supported: the model's own template is used",
-    "chat_template_kwargs": "not supported",
     "mm_processor_kwargs": "not supported: this model takes text only",
 }
 
@@ -35,6 +34,7 @@ class TokenizeChat(RequestModel):
     continue_final_message: Literal[False] = False
     add_special_tokens: Literal[False] = Field(False, description="the template holds the special tokens")
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
 
 
 class DetokenizeRequest(RequestModel):
@@ -51,6 +51,12 @@ def tokenize_request(
         chat = validate_body(TokenizeChat, body, unknown)
         specs = [ToolSpec(t.function.name, t.function.description, t.function.parameters) for t in chat.tools or []]
         prompt = chat_prompt(chat.messages, format_for(tool_format), plan(specs, None))
-        return chat, GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None)
+        try:
+            rendered = GenerateRequest(
+                messages=prompt.messages, tools=prompt.tools, chat_template_kwargs=chat.chat_template_kwargs, max_tokens=None
+            )
+        except ValidationError as error:
+            raise from_validation_error(error) from None
+        return chat, rendered
     text = validate_body(TokenizePrompt, body, unknown)
     return text, GenerateRequest(prompt=text.prompt, max_tokens=None)

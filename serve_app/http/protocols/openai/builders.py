@@ -182,6 +182,7 @@ class ChatCompletionsBuilder(ResponseBuilder):
         requests = [
             GenerateRequest(
                 messages=prompt.messages, tools=prompt.tools, cache_prefix=retained(req.prompt_cache_retention),
+                chat_template_kwargs=req.chat_template_kwargs,
                 **req.engine_fields(max_tokens, logprobs, choice, constraint, lora),
             )
             for choice in range(req.n)

@@ -145,7 +145,6 @@ UNSUPPORTED = {
     "vllm_xargs": "not supported",
     "mm_processor_kwargs": "not supported: this model takes text only",
     "chat_template": "not supported: the model's own template is used",
-    "chat_template_kwargs": "not supported",
     "documents": "not supported",
     "add_generation_prompt": "only true",
     "continue_final_message": "only false",
@@ -343,6 +342,9 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = Field(None, max_length=256, description="recorded on the request's trace span")
     prompt_cache_key: str | None = Field(None, max_length=1024, description="the prompt's cache salt: cache_salt")
     prompt_cache_retention: CacheRetention | None = Field(None, description="keep the prompt cached this long")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, max_length=64, description="the chat template's further variables (`enable_thinking`, ...)"
+    )
 
     @model_validator(mode="after")
     def _one_salt(self) -> ChatCompletionRequest:
