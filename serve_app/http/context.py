@@ -3,11 +3,17 @@ metrics, stored responses), and who is calling."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
 from serve_app.config import ServerConfig
+from serve_app.engine.io import ModelInfo
+from serve_app.http.body import read_json
+from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.errors import ProtocolError, invalid
 from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.response_store import LocalResponses, Responses, ResponseStore
@@ -65,6 +71,23 @@ class ServerContext:
         if not self.slots.try_take(tenant):
             limit = self.config.max_concurrent_per_tenant
             raise ProtocolError("rate_limit", f"over max_concurrent_per_tenant={limit} requests in flight")
+
+    @contextmanager
+    def slot(self, tenant: Tenant) -> Iterator[None]:
+        """Hold one of `tenant`'s slots for the work inside (429 when all are taken)."""
+        self.take_slot(tenant)
+        try:
+            yield
+        finally:
+            self.slots.give_back(tenant)
+
+    async def model_call(self, request: Request) -> tuple[Tenant, Any, EngineClient, ModelInfo]:
+        """A call to one model besides generating (counting or converting tokens): its caller, once every engine
+        is ready, its JSON body, and the engine client and card of the model the body's `model` names."""
+        tenant = await self.ready_caller(request)
+        body = await read_json(request, self.config.max_request_bytes)
+        engine = self.models.client_of(body)
+        return tenant, body, engine, await engine.model_info()
 
     async def ready_caller(self, request: Request, admin: bool = False) -> Tenant:
         """The authenticated caller, once every model's engine is ready (503 before)."""

@@ -69,17 +69,11 @@ router.add_api_route("/v1/messages", _generation(messages), methods=["POST"])
 async def count_tokens(request: Request) -> Response:
     """Tokenizing is work like a generation's: it takes one of the tenant's slots, and its text is bounded first."""
     context = context_of(request)
-    tenant = await context.ready_caller(request)
-    body = await read_json(request, context.config.max_request_bytes)
-    engine = context.models.client_of(body)
-    model = await engine.model_info()
+    tenant, body, engine, model = await context.model_call(request)
     req: CountTokensRequest = parse(CountTokensRequest, body, model, context.limits.unknown_fields)
     prompt = req.prompt(format_for(model.tool_format), req.tool_plan())
     counted = GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None)
     context.limits.check_characters(counted, model)
-    context.take_slot(tenant)
-    try:
+    with context.slot(tenant):
         count = await engine.prompts.count(counted)
-    finally:
-        context.slots.give_back(tenant)
     return JSONResponse({"input_tokens": count})

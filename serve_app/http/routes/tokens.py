@@ -6,7 +6,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from serve_app.http.body import read_json
 from serve_app.http.context import context_of
 from serve_app.http.protocols.errors import invalid
 from serve_app.http.protocols.fields import validate_body
@@ -22,23 +21,17 @@ router = APIRouter()
 @answers_in(ERRORS)
 async def tokenize(request: Request) -> Response:
     context = context_of(request)
-    tenant = await context.ready_caller(request)
-    body = await read_json(request, context.config.max_request_bytes)
-    engine = context.models.client_of(body)
-    model = await engine.model_info()
+    tenant, body, engine, model = await context.model_call(request)
     asked, rendered = tokenize_request(body, model.tool_format, context.limits.unknown_fields)
     if asked.model is not None:
         adapter_of(model, asked.model)
     context.limits.check_characters(rendered, model)
     chat = isinstance(asked, TokenizeChat)
-    context.take_slot(tenant)
-    try:
+    with context.slot(tenant):
         ids = await engine.prompts.tokenize(
             rendered, add_generation_prompt=chat and asked.add_generation_prompt, add_special_tokens=asked.add_special_tokens
         )
         strings = await engine.prompts.token_strings(ids) if asked.return_token_strs else None
-    finally:
-        context.slots.give_back(tenant)
     return JSONResponse({"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strings})
 
 
@@ -46,10 +39,7 @@ async def tokenize(request: Request) -> Response:
 @answers_in(ERRORS)
 async def detokenize(request: Request) -> Response:
     context = context_of(request)
-    tenant = await context.ready_caller(request)
-    body = await read_json(request, context.config.max_request_bytes)
-    engine = context.models.client_of(body)
-    model = await engine.model_info()
+    tenant, body, engine, model = await context.model_call(request)
     asked = validate_body(DetokenizeRequest, body, context.limits.unknown_fields)
     if asked.model is not None:
         adapter_of(model, asked.model)
@@ -58,9 +48,6 @@ async def detokenize(request: Request) -> Response:
         raise invalid(f"tokens: token id {bad} is outside the vocabulary (0..{model.vocab_size - 1})", "tokens")
     if len(asked.tokens) > model.max_model_len:
         raise invalid(f"tokens: {len(asked.tokens)} are over the model's context of {model.max_model_len}", "tokens")
-    context.take_slot(tenant)
-    try:
+    with context.slot(tenant):
         text = await engine.prompts.detokenize(asked.tokens)
-    finally:
-        context.slots.give_back(tenant)
     return JSONResponse({"prompt": text})
