@@ -57,6 +57,12 @@ def _chat(model: str, **extra: Any) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, **extra}
 
 
+def _pinned(model: str, distinct: int) -> dict:
+    """A Messages request whose long system prompt, new each time, asks to stay cached for an hour."""
+    system = [{"type": "text", "text": f"{distinct} " + "Rules of the house. " * 60, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    return {"model": model, "max_tokens": 4, "system": system, "messages": [{"role": "user", "content": "Say hi."}]}
+
+
 def _schema(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
@@ -97,6 +103,9 @@ SHAPES = [
     Shape("count_tokens_1mb", "/v1/messages/count_tokens",
           lambda m: {"model": m, "messages": [{"role": "user", "content": "word " * 200_000}]}, (400,)),
     Shape("text_plain_body", "/v1/chat/completions", _chat, (415,), content_type="text/plain"),
+    Shape("logit_bias_5000", "/v1/chat/completions", lambda m: _chat(m, logit_bias={str(i): 1 for i in range(5000)}), (400,)),
+    Shape("tokenize_1mb", "/tokenize", lambda m: {"model": m, "prompt": "word " * 200_000}, (400,)),
+    Shape("pinned_prefixes_distinct", "/v1/messages", lambda m: _pinned(m, next(_counter)), (200,), fresh=True),
     Shape("kv_lookup_as_user", "/v1/kv/lookup", lambda m: {"tokens": [1, 2, 3]}, (403,)),
 ]
 
