@@ -122,10 +122,10 @@ def test_streams_keep_flowing_while_a_submit_is_tokenized(engine: InferenceEngin
     release = threading.Event()
     encode_chat = engine.tokenizer.encode_chat
 
-    def slow_encode_chat(messages, add_generation_prompt=True, tools=None):
+    def slow_encode_chat(messages, add_generation_prompt=True, tools=None, template_kwargs=None):
         tokenizing.set()
         assert release.wait(30)
-        return encode_chat(messages, add_generation_prompt, tools)
+        return encode_chat(messages, add_generation_prompt, tools, template_kwargs)
 
     monkeypatch.setattr(engine.tokenizer, "encode_chat", slow_encode_chat)
     child = ChildOverSockets(engine)
