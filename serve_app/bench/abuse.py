@@ -58,8 +58,9 @@ def _chat(model: str, **extra: Any) -> dict:
 
 
 def _pinned(model: str, distinct: int) -> dict:
-    """A Messages request whose long system prompt, new each time, asks to stay cached for an hour."""
-    system = [{"type": "text", "text": f"{distinct} " + "Rules of the house. " * 60, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    """A Messages request whose system prompt (about 4 pages), new each time, asks to stay cached for an hour: the
+    attacker's pins pile up to the half of the pool pins may hold."""
+    system = [{"type": "text", "text": f"{distinct} " + "Rules of the house. " * 12, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
     return {"model": model, "max_tokens": 4, "system": system, "messages": [{"role": "user", "content": "Say hi."}]}
 
 
