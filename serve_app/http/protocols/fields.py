@@ -1,6 +1,6 @@
 """Request fields: the base of every request model (`RequestModel`: a field it does not know is a 400 naming it, or,
-under `unknown_fields: warn`, dropped and logged once), fields refused by name, and a validation error as a 400
-naming the field as the client wrote it."""
+under `unknown_fields: warn`, dropped and logged once), fields refused by name, content parts a text-only model
+refuses, and a validation error as a 400 naming the field as the client wrote it."""
 
 from __future__ import annotations
 
@@ -62,6 +62,25 @@ def _warn_once(model: str, field: str) -> None:
             return
         _warned.add(key)
     logger.warning("ignored the unknown request field %r (in %s): unknown_fields is warn", key[1], model)
+
+
+# Content parts a text-only model cannot read, by their `type`.
+NOT_TEXT = {
+    "image_url": "images", "input_audio": "audio", "file": "files", "input_image": "images", "input_file": "files",
+    "image": "images", "document": "documents",
+}
+
+
+def text_only(parts: Any, text_types: tuple[str, ...]) -> Any:
+    """A message's content parts, refusing the kinds a text-only model cannot read by what they are."""
+    if isinstance(parts, list):
+        for index, part in enumerate(parts):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in NOT_TEXT:
+                raise ValueError(f"part {index} is {kind}: this model takes text only, not {NOT_TEXT[kind]}")
+            if kind is not None and kind not in text_types:
+                raise ValueError(f"part {index} is {kind!r}: a part here is one of {', '.join(text_types)}")
+    return parts
 
 
 def validate_body(model: type[Body], body: Any, unknown: UnknownFields = "reject") -> Body:

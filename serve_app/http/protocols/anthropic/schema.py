@@ -9,8 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from serve_app.engine.io import CachePrefix, ModelInfo, StructuredOutput
-from serve_app.http.protocols.fields import RequestModel, UnknownFields, refuse_fields, validate_body
-from serve_app.http.protocols.openai.schema import text_only
+from serve_app.http.protocols.fields import RequestModel, UnknownFields, refuse_fields, text_only, validate_body
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools.plan import Prompt, ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, plan
 

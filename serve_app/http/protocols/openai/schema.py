@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve_app.engine.io import CachePrefix, SamplingParams, StructuredOutput
 from serve_app.http.protocols.errors import invalid
-from serve_app.http.protocols.fields import RequestModel, from_validation_error
+from serve_app.http.protocols.fields import RequestModel, from_validation_error, text_only
 from serve_app.http.tools.plan import Prompt, ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, plan
 
 CacheRetention = Literal["in_memory", "24h"]
@@ -25,25 +25,6 @@ def retained(retention: CacheRetention | None) -> CachePrefix | None:
 
 # logit_bias entries at most (OpenAI's API takes up to 300; a client may bias a few thousand tokens at once).
 MAX_LOGIT_BIAS = 4096
-
-# Content parts a text-only model cannot read, by their `type`.
-NOT_TEXT = {
-    "image_url": "images", "input_audio": "audio", "file": "files", "input_image": "images", "input_file": "files",
-    "image": "images", "document": "documents",
-}
-
-
-def text_only(parts: Any, text_types: tuple[str, ...]) -> Any:
-    """A message's content parts, refusing the kinds a text-only model cannot read by what they are."""
-    if isinstance(parts, list):
-        for index, part in enumerate(parts):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in NOT_TEXT:
-                raise ValueError(f"part {index} is {kind}: this model takes text only, not {NOT_TEXT[kind]}")
-            if kind is not None and kind not in text_types:
-                raise ValueError(f"part {index} is {kind!r}: a part here is one of {', '.join(text_types)}")
-    return parts
-
 
 class TextPart(RequestModel):
     type: Literal["text"]

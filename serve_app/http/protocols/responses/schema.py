@@ -10,8 +10,8 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 
 from serve_app.engine.io import StructuredOutput
 from serve_app.http.protocols.errors import invalid
-from serve_app.http.protocols.fields import RequestModel, validate_part
-from serve_app.http.protocols.openai.schema import CacheRetention, text_only
+from serve_app.http.protocols.fields import RequestModel, text_only, validate_part
+from serve_app.http.protocols.openai.schema import CacheRetention
 from serve_app.http.tools.plan import ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, call_names, plan
 
 
