@@ -28,6 +28,7 @@ from serve_app.engine.io import (
     RetrieveKV,
     StoreKV,
     StreamDelta,
+    token_id_outside,
 )
 from serve_app.engine.loop import EngineLoop
 from serve_app.engine.result import GenerateResult
@@ -193,15 +194,9 @@ class InferenceEngine(Conveniences):
         request, prompt_ids = encoded.request, encoded.prompt_ids
         max_tokens = self._check_lengths(prompt_ids, request.max_tokens)
         params = request.sampling
-        vocab = self.runner.vocab_size
-        named_ids = (
-            ("prompt", prompt_ids), ("stop_token_ids", request.stop_token_ids),
-            ("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
-        )
-        for field, ids in named_ids:
-            bad = next((i for i in ids if not 0 <= i < vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        outside = token_id_outside(request, prompt_ids, self.runner.vocab_size)
+        if outside is not None:
+            raise InvalidRequestError(*outside)
         if request.priority and self.config.scheduler.scheduling_policy != "priority":
             raise InvalidRequestError("priority", "this engine schedules first come, first served (scheduling_policy: fcfs)")
         # Compiling a grammar takes milliseconds to a second: here, never on the scheduler thread.

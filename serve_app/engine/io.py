@@ -6,6 +6,7 @@ Plain pydantic and frozen dataclasses: importing this loads no torch and no Ray.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -272,6 +273,23 @@ class GenerateRequest(BaseModel):
         if self.min_tokens and self.structured_output is not None:
             raise ValueError("min_tokens: not with a structured output (its grammar decides where the answer ends)")
         return self
+
+
+def token_id_outside(request: GenerateRequest, prompt_ids: Sequence[int], vocab_size: int) -> tuple[str, str] | None:
+    """The field and the message that name the first of a request's token ids (its prompt's, given as `prompt_ids`,
+    its stop ids, its `logit_bias` and `allowed_token_ids`) outside the vocabulary; None where all are inside."""
+    sampling = request.sampling
+    named_ids = (
+        ("prompt", prompt_ids), ("stop_token_ids", request.stop_token_ids),
+        ("logit_bias", list(sampling.logit_bias or ())), ("allowed_token_ids", sampling.allowed_token_ids or ()),
+    )
+    for field_name, ids in named_ids:
+        if ids:
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= vocab_size:
+                bad = low if low < 0 else high
+                return field_name, f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})"
+    return None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ Tokenizing runs off the event loop."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from serve_app.engine.io import EncodedRequest, GenerateRequest, RequestRefused
 from serve_app.http.protocols.errors import ProtocolError
@@ -21,20 +22,14 @@ class PromptEncoder:
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The ids the engine feeds for `request`: chat through the template, text encoded, ids as given."""
-        try:
+        with _refusals_as_errors():
             return self.tokenizer.prompt_ids(request)
-        except RequestRefused as refused:
-            raise ProtocolError.of(refused) from None
 
     def _encode(self, request: GenerateRequest) -> tuple[list[int], int]:
         """The prompt's ids, and how many of them its `cache_prefix` keeps cached."""
         ids = list(request.prompt) if isinstance(request.prompt, list) else self.prompt_ids(request)
-        if request.cache_prefix is None:
-            return ids, 0
-        try:
+        with _refusals_as_errors():
             return ids, self.tokenizer.cached_prefix_length(request, ids)
-        except RequestRefused as refused:
-            raise ProtocolError.of(refused) from None
 
     async def encode(
         self,
@@ -68,12 +63,10 @@ class PromptEncoder:
 
         def encode() -> list[int]:
             if request.messages is not None:
-                try:
+                with _refusals_as_errors():
                     return self.tokenizer.encode_chat(
                         request.messages, add_generation_prompt, request.tools, request.chat_template_kwargs
                     )
-                except RequestRefused as refused:
-                    raise ProtocolError.of(refused) from None
             return list(self.tokenizer.hf.encode(request.prompt, add_special_tokens=add_special_tokens))
 
         return await asyncio.to_thread(encode)
@@ -86,3 +79,11 @@ class PromptEncoder:
         """`/detokenize`: the text of `ids`, special tokens included (as vLLM's route decodes them)."""
         return await asyncio.to_thread(self.tokenizer.decode, ids, False)
 
+
+@contextmanager
+def _refusals_as_errors() -> Iterator[None]:
+    """The tokenizer's refusals (a template that refuses the messages, a prompt of no tokens) as protocol errors."""
+    try:
+        yield
+    except RequestRefused as refused:
+        raise ProtocolError.of(refused) from None

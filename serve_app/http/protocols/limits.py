@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from serve_app.config import ServerConfig
 from serve_app.engine.grammar_bounds import check_size
-from serve_app.engine.io import GenerateRequest, ModelInfo, RequestRefused
+from serve_app.engine.io import GenerateRequest, ModelInfo, RequestRefused, token_id_outside
 from serve_app.http.protocols.errors import ProtocolError, invalid
 from serve_app.http.protocols.fields import UnknownFields
 from serve_app.http.protocols.prepared import PreparedRequest
@@ -146,14 +146,8 @@ def check_vocabulary(request: GenerateRequest, vocab_size: int) -> None:
     top_k = request.sampling.top_k
     if top_k > vocab_size:
         raise invalid(f"top_k: {top_k} is over the vocabulary's {vocab_size} tokens (0 or -1 keeps them all)", "top_k")
-    sampling = request.sampling
-    named_ids = (
-        ("prompt", request.prompt), ("stop_token_ids", request.stop_token_ids),
-        ("logit_bias", list(sampling.logit_bias or ())), ("allowed_token_ids", sampling.allowed_token_ids),
-    )
-    for param, ids in named_ids:
-        if isinstance(ids, list) and ids:
-            low, high = min(ids), max(ids)
-            if low < 0 or high >= vocab_size:
-                bad = low if low < 0 else high
-                raise invalid(f"{param}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param)
+    prompt_ids = request.prompt if isinstance(request.prompt, list) else ()
+    outside = token_id_outside(request, prompt_ids, vocab_size)
+    if outside is not None:
+        param, message = outside
+        raise invalid(f"{param}: {message}", param)
