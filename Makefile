@@ -23,7 +23,7 @@ endif
 export RAY_SERVE_CONTROL_LOOP_INTERVAL_S ?= 1.0
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve browser test bench gpu-check clean
+.PHONY: setup model families serve browser test bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -48,7 +48,11 @@ browser:
 		(apt-get update -q && apt-get install -y -q chromium chromium-driver))) || \
 		echo "no Chromium installed: the browser test will skip"
 
-test: model browser
+# Other model families' real chat templates and tokenizers, for the tests (from llama-cpp-python's source package).
+families: $(STAMP)
+	$(BIN)/python -m tests.model_families
+
+test: model browser families
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # With LLAMA_SERVER=path/to/llama-server GGUF="a.gguf b.gguf", llama.cpp's server runs beside ours.

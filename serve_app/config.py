@@ -24,6 +24,8 @@ def default_cache_dir() -> Path:
 ToolFormat = Literal["generic", "hermes", "llama3_json"]
 # A model's weights: `serve_app.model.quant.quantization` applies it.
 Quantization = Literal["none", "int8", "fp8"]
+# How a reasoning model's thinking is told from its answer (`serve_app.engine.reasoning` has each).
+ReasoningParser = Literal["qwen3", "deepseek_r1"]
 
 
 class _Strict(BaseModel):
@@ -51,6 +53,11 @@ class ModelConfig(_Strict):
         "auto",
         description="how tools reach the model: auto reads the chat template (hermes for <tool_call> templates, "
         "llama3_json for Llama 3.1+, generic for templates that ignore tools)",
+    )
+    reasoning_parser: ReasoningParser | None = Field(
+        None,
+        description="vLLM's name: the model thinks in <think>...</think> before it answers (qwen3, deepseek_r1); the "
+        "thinking is returned apart from the answer, and grammars and tools apply to the answer only",
     )
     compile: bool = Field(
         True,
@@ -195,6 +202,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "decode_attention": ("model", "decode_attention"),
     "cache_dir": ("model", "cache_dir"),
     "tool_call_format": ("model", "tool_call_format"),
+    "reasoning_parser": ("model", "reasoning_parser"),
     "quantization": ("model", "quantization"),
     "compile": ("model", "compile"),
     "dynamic_lora_loading_path": ("model", "dynamic_lora_loading_path"),

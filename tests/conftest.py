@@ -18,6 +18,7 @@ from serve_app.config import DEFAULT_MODEL, default_cache_dir
 from serve_app.engine.engine import InferenceEngine
 from serve_app.model.loader import resolve_model_path
 from tests.browser import open_browser
+from tests.model_families import qwen3_tokenizer
 from tests.inprocess import (
     InProcessServer,
     anthropic_client,
@@ -56,6 +57,15 @@ def reference(model_path: Path) -> ReferenceModel:
 @pytest.fixture(scope="session")
 def tiny_qwen3_path(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
     return build_tiny_model("qwen3", tmp_path_factory.mktemp("tiny-qwen3"), tokenizer_from=model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_thinker_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model with Qwen3's own tokenizer and chat template (its <think> tokens, `enable_thinking`)."""
+    return build_tiny_model(
+        "qwen3", tmp_path_factory.mktemp("tiny-qwen3-thinker"), tokenizer_from=qwen3_tokenizer(),
+        vocab_size=151936, bos_token_id=None, eos_token_id=151645, pad_token_id=151643, max_position_embeddings=4096,
+    )
 
 
 @pytest.fixture(scope="session")

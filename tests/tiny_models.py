@@ -17,7 +17,7 @@ def build_tiny_model(
     replaces the tokenizer's template, `config_fields` set more of its config."""
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3Config
 
-    common = dict(
+    common: dict[str, object] = dict(
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=128,
@@ -31,8 +31,8 @@ def build_tiny_model(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
-        **config_fields,
     )
+    common.update(config_fields)
     config = {"qwen3": Qwen3Config, "llama": LlamaConfig, "gemma2": Gemma2Config}[kind](**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

@@ -101,10 +101,13 @@ class TokenEmitter:
             output_ids=[t.output_ids if t.params.has_penalties else () for t in tasks],
             banned=[t.banned_token_ids for t in tasks],
         )
-        matchers = [t.matcher for t in tasks]
+        matchers = [t.active_matcher for t in tasks]
+        forced = [t.forced_token for t in tasks]
         if any(m is not None for m in matchers):
-            forced = [t.guard.forced_token if t.guard is not None else None for t in tasks]
             rows = self.grammars.mask(rows, matchers, forced)
+        unconstrained = {row: token for row, (token, m) in enumerate(zip(forced, matchers)) if token is not None and m is None}
+        if unconstrained:
+            rows = _only(rows, unconstrained)
         return self.sampler(rows, batch, drafts if any(d is not None for d in drafts) else None)
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, tasks: list[Task]) -> list[TokenLogprob | None]:
@@ -127,3 +130,13 @@ class TokenEmitter:
                 top = tuple((t, self.decode([t]), v) for t, v in zip(ids, values))
             out[i] = TokenLogprob(token, self.decode([token]), chosen[j], top)
         return out
+
+
+def _only(logits: torch.Tensor, tokens: dict[int, int]) -> torch.Tensor:
+    """`logits` (a copy) where each row of `tokens` allows only its token (a thinking span closed by its budget)."""
+    masked = logits.clone()
+    for row, token in tokens.items():
+        kept = masked[row, token].clone()
+        masked[row] = float("-inf")
+        masked[row, token] = kept
+    return masked

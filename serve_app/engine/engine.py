@@ -31,6 +31,7 @@ from serve_app.engine.io import (
     token_id_outside,
 )
 from serve_app.engine.loop import EngineLoop
+from serve_app.engine.reasoning import ThinkingSpan, ThinkingTags
 from serve_app.engine.result import GenerateResult
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.speculation import Speculator
@@ -109,6 +110,8 @@ class InferenceEngine(Conveniences):
         self.vocab_size = self.runner.vocab_size
         chosen = self.config.model.tool_call_format
         self.tool_format: ToolFormat = self.tokenizer.tool_format if chosen == "auto" else chosen
+        parser = self.config.model.reasoning_parser
+        self.thinking_tags = ThinkingTags.of(parser, self.tokenizer) if parser is not None else None
         self.grammars = GrammarCompiler(
             self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids, self.config.grammar
         )
@@ -205,6 +208,10 @@ class InferenceEngine(Conveniences):
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
+        thinking = self._thinking(request, prompt_ids)
+        if thinking is not None and params.allowed_token_ids is not None:  # the span's tags stay choosable
+            tags = [thinking.tags.start, thinking.tags.end]
+            params = params.model_copy(update={"allowed_token_ids": [*params.allowed_token_ids, *tags]})
         slot = self._adapter_slot(request.lora)
         task_id = next(self._task_ids)
         generator = None
@@ -231,6 +238,7 @@ class InferenceEngine(Conveniences):
             logprobs=request.logprobs,
             matcher=matcher,
             guard=guard,
+            thinking=thinking,
             adapter_slot=slot,
             on_finished=self._releaser(slot),
         )
@@ -241,6 +249,16 @@ class InferenceEngine(Conveniences):
                 task.on_finished()
             raise
         return task
+
+    def _thinking(self, request: GenerateRequest, prompt_ids: list[int]) -> ThinkingSpan | None:
+        """A chat request's thinking span, where this engine's model reasons (its budget `thinking_token_budget`); a
+        plain prompt's output is all text, as the model writes it."""
+        if self.thinking_tags is None or request.messages is None:
+            if request.thinking_token_budget is not None:
+                why = "no reasoning_parser" if self.thinking_tags is None else "a chat request's only"
+                raise InvalidRequestError("thinking_token_budget", f"this engine reads no thinking span here ({why})")
+            return None
+        return ThinkingSpan(self.thinking_tags, prompt_ids, request.thinking_token_budget)
 
     def _adapter_slot(self, name: str | None) -> int | None:
         """The slot of LoRA adapter `name`, held for one request (None for the base model)."""

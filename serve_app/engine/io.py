@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve_app.config import GrammarConfig, ToolFormat
+from serve_app.config import GrammarConfig, ReasoningParser, ToolFormat
 
 if TYPE_CHECKING:
     import torch
@@ -208,6 +208,11 @@ class GenerateRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="the chat template's further variables (`enable_thinking`, ...); with messages only"
     )
+    thinking_token_budget: int | None = Field(
+        None, ge=0,
+        description="a reasoning model's thinking is closed after this many tokens (its engine's reasoning_parser "
+        "reads the span); None: the output's own limit",
+    )
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -298,6 +303,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int  # of the prompt, found in the prefix cache
     cache_written_tokens: int = 0  # of the prompt, not found there but kept there for its breakpoint's TTL
+    reasoning_tokens: int = 0  # of the completion, the thinking's (its tags included)
 
 
 @dataclass(frozen=True)
@@ -322,6 +328,7 @@ class StreamDelta:
     usage: Usage | None = None
     error: str | None = None
     queue_time_s: float | None = None  # on the first delta: how long the request waited to be admitted
+    reasoning: str = ""  # new thinking text, apart from the answer's `text` (an engine with a reasoning_parser)
 
 
 def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
@@ -332,6 +339,7 @@ def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
     return replace(
         last,
         text="".join(d.text for d in deltas),
+        reasoning="".join(d.reasoning for d in deltas),
         token_ids=tuple(t for d in deltas for t in d.token_ids),
         logprobs=tuple(lp for d in deltas for lp in d.logprobs),
         usage=last.usage or next((d.usage for d in deltas if d.usage is not None), None),
@@ -493,3 +501,4 @@ class ModelInfo:
     tool_format: ToolFormat
     vocab_size: int  # token ids a request may name are below it
     grammar: GrammarConfig = field(default_factory=GrammarConfig)  # what a request's constraint may cost
+    reasoning_parser: ReasoningParser | None = None  # how the model's thinking is told from its answer, if it thinks

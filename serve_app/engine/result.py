@@ -17,11 +17,13 @@ class GenerateResult:
     task_id: int
     prompt_tokens: int
     text: str = ""
+    reasoning: str = ""  # the thinking, apart from the answer's `text` (an engine with a reasoning_parser)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     cached_tokens: int = 0
     cache_written_tokens: int = 0
+    reasoning_tokens: int = 0
     queue_time_s: float | None = None
     stop_string: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -37,18 +39,22 @@ class GenerateResult:
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, len(self.token_ids), self.cached_tokens, self.cache_written_tokens)
+        return Usage(
+            self.prompt_tokens, len(self.token_ids), self.cached_tokens, self.cache_written_tokens, self.reasoning_tokens
+        )
 
     def publish(self, delta: StreamDelta) -> None:
         """Called by the scheduler thread: record a delta (the first and the last carry the usage, the first the
         queue time) and wake every waiter."""
         with self._done:
             self.text += delta.text
+            self.reasoning += delta.reasoning
             self.token_ids.extend(delta.token_ids)
             self.logprobs.extend(delta.logprobs)
             if delta.usage is not None:
                 self.cached_tokens = delta.usage.cached_tokens
                 self.cache_written_tokens = delta.usage.cache_written_tokens
+                self.reasoning_tokens = delta.usage.reasoning_tokens
             if delta.queue_time_s is not None:
                 self.queue_time_s = delta.queue_time_s
             if delta.finish_reason is not None:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import xgrammar
 
     from serve_app.engine.answer_guard import AnswerGuard
+    from serve_app.engine.reasoning import ThinkingSpan
 
 
 # Where a task's deltas go: called with its id and each delta, on the engine's thread (keep it tiny).
@@ -64,6 +65,7 @@ class Task:
     logprobs: int | None = None
     matcher: xgrammar.GrammarMatcher | None = None  # a structured-output request's grammar state
     guard: AnswerGuard | None = None  # a JSON or tool-call answer's repeats and lengths
+    thinking: ThinkingSpan | None = None  # a reasoning model's thinking, before the answer its grammar holds
     adapter_slot: int | None = None  # the LoRA adapter slot its rows run with (None: the base model)
     on_finished: Callable[[], None] | None = None  # gives back what it held (its adapter slot) once it ends
     state: TaskState = TaskState.WAITING
@@ -77,6 +79,7 @@ class Task:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     queue_time_s: float | None = None  # from submission to its first admission
     published: bool = False  # a delta has gone out
+    _answer_tokens: int = 0  # output tokens after its thinking
 
     @property
     def num_tokens(self) -> int:
@@ -96,12 +99,26 @@ class Task:
         return self.stop_token_ids if self.num_output < self.min_tokens else frozenset()
 
     @property
+    def active_matcher(self) -> xgrammar.GrammarMatcher | None:
+        """Its grammar, once its thinking (if any) is over: a grammar holds the answer only."""
+        return self.matcher if self.thinking is None or not self.thinking.open else None
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token its next step must take: `</think>` when its thinking has spent its budget, else the closing
+        quote of a JSON string its guard has let run long enough (where the grammar allows it)."""
+        if self.thinking is not None and self.thinking.open:
+            return self.thinking.forced_token
+        return self.guard.forced_token if self.guard is not None else None
+
+    @property
     def is_prefilling(self) -> bool:
         return self.num_computed < self.num_tokens - 1
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.prompt_len, self.num_output, self.cached_tokens, self.cache_written_tokens)
+        thinking = self.num_output - self._answer_tokens
+        return Usage(self.prompt_len, self.num_output, self.cached_tokens, self.cache_written_tokens, thinking)
 
     def admitted(self, cached_tokens: int) -> None:
         """Its first admission: how much of its prompt the cache held, and how long it waited."""
@@ -121,16 +138,22 @@ class Task:
         """Append a sampled token; return the text it adds and, when it ends the task, why.
 
         A structured-output task whose grammar has just ended stops here, `ignore_eos` or not; so does one
-        whose guard ends it (a repeated call, its constrained tokens spent).
+        whose guard ends it (a repeated call, its constrained tokens spent). Thinking text goes out as
+        reasoning, past the grammar, the guard and the stop strings, which hold the answer.
         """
-        if self.matcher is not None and not self.matcher.accept_token(token):
+        phase = self.thinking.accept(token) if self.thinking is not None else "answer"
+        matcher = self.matcher if phase == "answer" else None
+        if matcher is not None and not matcher.accept_token(token):
             return StreamDelta("", (), "error", error=f"token {token} was sampled outside the request's grammar")
         self.tokens.append(token)
+        self._answer_tokens += phase == "answer"
         logprobs = (logprob,) if logprob is not None else ()
-        if self.matcher is not None and self.matcher.is_terminated():
+        if matcher is not None and matcher.is_terminated():
             return self.closing_delta("stop", (token,), logprobs=logprobs)
         if token in self.stop_token_ids:
             return self.closing_delta("stop", (token,), logprobs=logprobs)
+        if phase != "answer":
+            return self._thinking_delta(phase, token, max_model_len, logprobs)
         piece = self.detokenizer.push(token)
         if self.guard is not None and (reason := self.guard.after(piece)) is not None:
             return self.closing_delta(reason, (token,), self.stop_strings.feed(piece), logprobs)
@@ -142,6 +165,20 @@ class Task:
             return self.closing_delta("length", (token,), text, logprobs)
         return StreamDelta(text, (token,), logprobs=logprobs)
 
+    def _thinking_delta(
+        self, phase: str, token: int, max_model_len: int, logprobs: tuple[TokenLogprob, ...]
+    ) -> StreamDelta:
+        """The reasoning a thinking token adds; a tag adds none (what the detokenizer held goes out before it)."""
+        if phase == "tag":
+            reasoning = self.detokenizer.flush()
+            self.detokenizer.skip(token)
+        else:
+            reasoning = self.detokenizer.push(token)
+        if self.num_output >= self.max_tokens or self.num_tokens >= max_model_len:
+            closing = self.closing_delta("length", (token,), logprobs=logprobs)
+            return replace(closing, reasoning=reasoning + closing.reasoning)
+        return StreamDelta("", (token,), logprobs=logprobs, reasoning=reasoning)
+
     def closing_delta(
         self,
         reason: FinishReason,
@@ -149,7 +186,11 @@ class Task:
         text: str = "",
         logprobs: tuple[TokenLogprob, ...] = (),
     ) -> StreamDelta:
-        """The last delta: `text` plus whatever the detokenizer and stop matcher still hold."""
+        """The last delta: `text` plus whatever the detokenizer and stop matcher still hold (as reasoning, where
+        the thinking is still open)."""
+        if self.thinking is not None and self.thinking.open:
+            reasoning = self.detokenizer.flush()
+            return StreamDelta(text + self.stop_strings.flush(), token_ids, reason, logprobs, reasoning=reasoning)
         text += self.stop_strings.feed(self.detokenizer.flush())
         if self.stop_strings.matched is not None:
             return StreamDelta(text, token_ids, "stop", logprobs, stop_string=self.stop_strings.matched)

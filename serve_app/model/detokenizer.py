@@ -35,6 +35,11 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text) :]
 
+    def skip(self, token_id: int) -> None:
+        """Add a token whose text is not wanted (call `flush` first: nothing held is kept)."""
+        self._ids.append(token_id)
+        self._prefix_offset = self._read_offset = len(self._ids)
+
     def flush(self) -> str:
         """Whatever is still held at the end of generation (an incomplete character decodes as U+FFFD)."""
         prefix_text, new_text = self._window()

@@ -1,0 +1,94 @@
+"""A reasoning model's thinking, apart from its answer: Qwen3's real template and tokens on a tiny random model,
+with `reasoning_parser: qwen3`. The span's end is read by token id; a budget closes it; a grammar holds the answer
+only; `enable_thinking: false` (the template closes the span in the prompt) leaves all of the output to the answer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.io import GenerateRequest, StructuredOutput
+from serve_app.errors import InvalidRequestError
+
+THINK, END_THINK = 151667, 151668
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def thinker(tiny_qwen3_thinker_path: Path) -> Iterator[InferenceEngine]:
+    engine = InferenceEngine(str(tiny_qwen3_thinker_path), compile=False, reasoning_parser="qwen3", cache_tokens=8192)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_qwen3_thinker_path: Path) -> Iterator[InferenceEngine]:
+    """The same model without a reasoning parser: the tokens to compare with."""
+    engine = InferenceEngine(str(tiny_qwen3_thinker_path), compile=False, cache_tokens=4096)
+    yield engine
+    engine.shutdown()
+
+
+def run(engine: InferenceEngine, **fields):
+    return engine.submit(GenerateRequest(messages=MESSAGES, temperature=0, **fields)).wait(timeout=120)
+
+
+def test_the_tokenizer_is_qwen3s(thinker: InferenceEngine) -> None:
+    hf = thinker.tokenizer.hf
+    assert hf.convert_tokens_to_ids(["<think>", "</think>", "<|im_end|>"]) == [THINK, END_THINK, 151645]
+    prompt = thinker.tokenizer.apply_chat_template(MESSAGES, template_kwargs={"enable_thinking": False})
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_without_a_closing_tag_the_whole_output_is_thinking(thinker: InferenceEngine, plain: InferenceEngine) -> None:
+    thought, reference = run(thinker, max_tokens=12), run(plain, max_tokens=12)
+    assert thought.token_ids == reference.token_ids  # reading the span changes no token
+    assert END_THINK not in thought.token_ids
+    assert thought.text == "" and thought.reasoning == reference.text
+    assert thought.usage.reasoning_tokens == 12
+
+
+def test_a_budget_closes_the_span_and_the_rest_is_the_answer(thinker: InferenceEngine) -> None:
+    tokenizer = thinker.tokenizer
+    result = run(thinker, max_tokens=12, thinking_token_budget=5)
+    ids = result.token_ids
+    first = 1 if ids[0] == THINK else 0  # the model may write the opening tag itself
+    assert ids[first + 5] == END_THINK and END_THINK not in ids[: first + 5]
+    assert result.reasoning == tokenizer.decode(ids[first : first + 5])
+    assert result.text == tokenizer.decode(ids[first + 6 :]) and result.text
+    assert result.usage.reasoning_tokens == first + 6 and result.finish_reason == "length"
+
+
+def test_a_budget_of_nothing_answers_at_once(thinker: InferenceEngine) -> None:
+    result = run(thinker, max_tokens=6, thinking_token_budget=0)
+    assert result.token_ids[0] == END_THINK and result.reasoning == ""
+    assert result.text == thinker.tokenizer.decode(result.token_ids[1:])
+
+
+def test_enable_thinking_false_leaves_the_output_to_the_answer(thinker: InferenceEngine, plain: InferenceEngine) -> None:
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    result, reference = run(thinker, max_tokens=10, **off), run(plain, max_tokens=10, **off)
+    assert result.reasoning == "" and result.text == reference.text and result.usage.reasoning_tokens == 0
+
+
+def test_the_grammar_holds_the_answer_not_the_thinking(thinker: InferenceEngine) -> None:
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+    result = run(thinker, max_tokens=40, thinking_token_budget=4, structured_output=StructuredOutput(json=schema))
+    assert result.finish_reason == "stop"
+    assert json.loads(result.text)["a"] in ("x", "y")
+    assert result.reasoning and not result.reasoning.lstrip().startswith("{")  # the thinking was free text
+
+
+def test_allowed_token_ids_keep_the_span_closable(thinker: InferenceEngine) -> None:
+    words = thinker.tokenizer.encode(" yes no")
+    result = run(thinker, max_tokens=8, thinking_token_budget=3, allowed_token_ids=words)
+    assert END_THINK in result.token_ids and set(result.token_ids) <= {*words, THINK, END_THINK}
+
+
+def test_an_engine_without_a_parser_refuses_a_thinking_budget(plain: InferenceEngine) -> None:
+    with pytest.raises(InvalidRequestError, match="thinking_token_budget"):
+        plain.submit(GenerateRequest(messages=MESSAGES, thinking_token_budget=10))
