@@ -175,7 +175,7 @@ def test_previous_response_id_continues_from_the_prefix_cache(oai: openai.OpenAI
     ("extra", "param"),
     [
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ({"include": ["file_search_call.results"]}, "include"),
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0.type"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),

@@ -32,6 +32,7 @@ class Choice:
 
     index: int
     text: str = ""
+    reasoning: str = ""  # a reasoning model's thinking, apart from its answer `text`
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -46,6 +47,7 @@ class Choice:
 
     def add(self, delta: StreamDelta) -> None:
         self.text += delta.text
+        self.reasoning += delta.reasoning
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         if delta.usage is not None:
@@ -58,7 +60,7 @@ class Choice:
 
 def total_usage(prepared: PreparedRequest, choices: Sequence[Choice]) -> Usage:
     """Usage over all choices: each prompt counted once, completions summed."""
-    prompt = cached = written = completion = 0
+    prompt = cached = written = completion = reasoning = 0
     for choice in choices:
         usage = choice.usage or Usage(0, 0, 0)
         if choice.index % prepared.choices_per_prompt == 0:
@@ -66,4 +68,5 @@ def total_usage(prepared: PreparedRequest, choices: Sequence[Choice]) -> Usage:
             cached += usage.cached_tokens
             written += usage.cache_written_tokens
         completion += len(choice.token_ids)
-    return Usage(prompt, completion, cached, written)
+        reasoning += usage.reasoning_tokens
+    return Usage(prompt, completion, cached, written, reasoning)

@@ -68,10 +68,16 @@ class Turn:
     call_id: str | None = None  # the call a tool turn answers
     name: str | None = None  # that call's tool, where the conversation names it
     author: str | None = None  # the participant's name (OpenAI's message `name`), given to the template
+    reasoning: str | None = None  # an assistant turn's thinking, given to the template as `reasoning_content`
 
     def message(self, role: str, content: str) -> dict[str, Any]:
-        """A template message of this turn: `role` and `content`, and its author's `name` where it has one."""
-        return {"role": role, "content": content, **({"name": self.author} if self.author else {})}
+        """A template message of this turn: `role` and `content`, its author's `name` and its thinking where it has them."""
+        message: dict[str, Any] = {"role": role, "content": content}
+        if self.author:
+            message["name"] = self.author
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
+        return message
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput, Usage
-from serve_app.http.protocols.anthropic.schema import MessagesRequest, parse
+from serve_app.http.protocols.anthropic.schema import MessagesRequest, parse, thinking_signature
 from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, ResponseFormatter, sse
 from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.errors import ErrorFormat, ProtocolError
@@ -21,6 +21,7 @@ from serve_app.http.tools.stream import (
     CallStarted,
     TextDelta,
     ToolStream,
+    ToolStreamEvent,
 )
 
 
@@ -34,27 +35,45 @@ def _tool_blocks(constraint: StructuredOutput, choice: Choice) -> tuple[list[dic
     return [*text, *uses], "tool_use" if choice.complete else _stop_reason(choice)
 
 
+def _thinking_block(thinking: str) -> dict[str, Any]:
+    """A thinking block, signed with the digest that `thinking_signature` checks when a conversation sends it back."""
+    return {"type": "thinking", "thinking": thinking, "signature": thinking_signature(thinking)}
+
+
 def _block_start(index: int, block: dict[str, Any]) -> str:
     return sse({"type": "content_block_start", "index": index, "content_block": block}, "content_block_start")
 
 
 class _BlockStream:
-    """A tool-mode answer's content blocks as Anthropic streams them: a text block while text comes,
-    a `tool_use` block for each whole call (its input in one `input_json_delta`), each stopped as the
-    next one starts."""
+    """An answer's content blocks as Anthropic streams them, each opened as the answer reaches it and stopped as
+    the next one starts: a thinking block while the model thinks (its signature as it ends), a text block while
+    text comes, and in tool mode a `tool_use` block for each whole call (its input in one `input_json_delta`)."""
 
-    def __init__(self, constraint: StructuredOutput) -> None:
-        self.constraint = constraint
-        self.answer = ToolStream(tool_answer_reader(constraint), "toolu_")
+    def __init__(self, constraint: StructuredOutput | None) -> None:
+        self.constraint = constraint  # a tool-mode answer's grammar (None: text only)
+        self.answer = ToolStream(tool_answer_reader(constraint), "toolu_") if constraint is not None else None
         self.blocks = 0
         self.open: str | None = None  # the open block's type
+        self.thinking = ""  # the open thinking block's text, for its signature
 
-    def update(self, text: str, finished: Choice | None = None) -> list[str]:
-        """The events of the answer's next piece, `text`; with `finished`, the choice it ends, those of its end."""
+    @property
+    def called(self) -> bool:
+        return self.answer is not None and self.answer.called
+
+    def update(self, delta: StreamDelta, finished: Choice | None = None) -> list[str]:
+        """The events of the answer's next delta; with `finished`, the choice it ends, those of its end."""
         events: list[str] = []
-        settled = self.answer.feed(text)
-        if finished is not None:
-            settled += self.answer.finish(finished.complete)
+        if delta.reasoning:
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            self.thinking += delta.reasoning
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        if self.answer is None:
+            settled: list[ToolStreamEvent] = [TextDelta(delta.text)] if delta.text else []
+        else:
+            settled = self.answer.feed(delta.text)
+            if finished is not None:
+                settled += self.answer.finish(finished.complete)
         for event in settled:
             match event:
                 case TextDelta(piece):
@@ -69,11 +88,15 @@ class _BlockStream:
 
     def close(self) -> list[str]:
         """Stop the open block (an answer with none gets one empty text block)."""
-        events = [] if self.blocks else self._start({"type": "text", "text": ""})
+        events = self._start({"type": "text", "text": ""}) if self.open in (None, "thinking") else []
         return [*events, sse({"type": "content_block_stop", "index": self.blocks - 1}, "content_block_stop")]
 
     def _start(self, block: dict[str, Any]) -> list[str]:
-        events = [sse({"type": "content_block_stop", "index": self.blocks - 1}, "content_block_stop")] if self.open else []
+        events = []
+        if self.open == "thinking":
+            events.append(self._delta({"type": "signature_delta", "signature": thinking_signature(self.thinking)}))
+        if self.open:
+            events.append(sse({"type": "content_block_stop", "index": self.blocks - 1}, "content_block_stop"))
         self.blocks, self.open = self.blocks + 1, block["type"]
         return [*events, _block_start(self.blocks - 1, block)]
 
@@ -129,6 +152,7 @@ class MessagesBuilder(ResponseBuilder):
         req: MessagesRequest = parse(MessagesRequest, body, model, limits.unknown_fields)
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         prompt = req.prompt(tools, tool_plan)
+        thinking = req.thinking_budget(model)
         request = GenerateRequest(
             messages=prompt.messages,
             tools=prompt.tools,
@@ -139,9 +163,11 @@ class MessagesBuilder(ResponseBuilder):
             max_string_tokens=req.max_string_tokens,
             lora=adapter_of(model, req.model),
             cache_prefix=req.cache_prefix(tools, tool_plan),
+            thinking_token_budget=thinking.budget,
+            chat_template_kwargs=thinking.template_kwargs(None),
         )
         constraint = request.structured_output
-        blocks = _BlockStream(constraint) if tool_plan is not None and constraint else None
+        blocks = _BlockStream(constraint if tool_plan is not None else None)
         end_user = req.metadata.user_id if req.metadata is not None else None
         prepared = PreparedRequest(requests=[request], stream=req.stream, model=req.model, end_user=end_user)
         return MessagesFormatter(prepared, blocks)
@@ -150,9 +176,9 @@ class MessagesBuilder(ResponseBuilder):
 class MessagesFormatter(ResponseFormatter):
     """A message: its streamed events (`message_start` ... `message_stop`), or the whole message."""
 
-    def __init__(self, prepared: PreparedRequest, blocks: _BlockStream | None) -> None:
+    def __init__(self, prepared: PreparedRequest, blocks: _BlockStream) -> None:
         super().__init__(prepared)
-        self.blocks = blocks  # a tool-mode answer's content blocks, opened as it reaches them
+        self.blocks = blocks  # the answer's content blocks, opened as it reaches them
 
     def _message(self, content: list[dict[str, Any]], choice: Choice, final: bool) -> dict[str, Any]:
         prepared = self.prepared
@@ -171,34 +197,19 @@ class MessagesFormatter(ResponseFormatter):
     def stream_start(self, choices: Sequence[Choice]) -> list[str]:
         start = self._message([], choices[0], final=False)
         start["usage"]["output_tokens"] = 0
-        events = [sse({"type": "message_start", "message": start}, "message_start")]
-        if self.blocks is None:  # a tool-mode answer opens its blocks as it reaches them
-            events.append(_block_start(0, {"type": "text", "text": ""}))
-        return [*events, sse({"type": "ping"}, "ping")]
+        return [sse({"type": "message_start", "message": start}, "message_start"), sse({"type": "ping"}, "ping")]
 
     def chunk(self, choice: Choice, delta: StreamDelta) -> list[str]:
-        if self.blocks is not None:
-            if delta.finish_reason == "error":
-                return []
-            return self.blocks.update(delta.text, choice if delta.finish_reason is not None else None)
-        if not delta.text:
+        if delta.finish_reason == "error":
             return []
-        return [
-            sse(
-                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta.text}},
-                "content_block_delta",
-            )
-        ]
+        return self.blocks.update(delta, choice if delta.finish_reason is not None else None)
 
     def stream_end(self, choices: Sequence[Choice]) -> list[str]:
         choice = choices[0]
         if choice.finish_reason == "error":
             return [sse(anthropic_error(ProtocolError("internal", choice.error or "generation failed")), "error")]
-        if self.blocks is not None:
-            events = self.blocks.close()
-            stop_reason = "tool_use" if self.blocks.answer.called and choice.complete else _stop_reason(choice)
-        else:
-            events, stop_reason = [sse({"type": "content_block_stop", "index": 0}, "content_block_stop")], _stop_reason(choice)
+        events = self.blocks.close()
+        stop_reason = "tool_use" if self.blocks.called and choice.complete else _stop_reason(choice)
         return [
             *events,
             sse(
@@ -214,7 +225,9 @@ class MessagesFormatter(ResponseFormatter):
 
     def response(self, choices: Sequence[Choice]) -> dict[str, Any]:
         choice = choices[0]
-        if self.blocks is None:
-            return self._message([{"type": "text", "text": choice.text}], choice, final=True)
-        blocks, stop_reason = _tool_blocks(self.blocks.constraint, choice)
-        return {**self._message(blocks, choice, final=True), "stop_reason": stop_reason}
+        thinking = [_thinking_block(choice.reasoning)] if choice.reasoning else []
+        constraint = self.blocks.constraint
+        if constraint is None:
+            return self._message([*thinking, {"type": "text", "text": choice.text}], choice, final=True)
+        blocks, stop_reason = _tool_blocks(constraint, choice)
+        return {**self._message([*thinking, *blocks], choice, final=True), "stop_reason": stop_reason}

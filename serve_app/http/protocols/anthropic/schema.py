@@ -3,13 +3,16 @@ counting, and the fields refused by name."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from serve_app.engine.io import CachePrefix, ModelInfo, StructuredOutput
+from serve_app.http.protocols.errors import invalid
 from serve_app.http.protocols.fields import RequestModel, UnknownFields, refuse_fields, text_only, validate_body
+from serve_app.http.protocols.reasoning import Thinking, reasoning_model
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools.plan import Prompt, ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, plan
 
@@ -66,15 +69,37 @@ class ToolResultBlock(RequestModel):
         return f"(error) {text}" if self.is_error else text
 
 
+def thinking_signature(thinking: str) -> str:
+    """A thinking block's signature: the digest of its text, checked when a conversation sends the block back (it
+    shows the text unchanged, not who wrote it)."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+class ThinkingBlock(RequestModel):
+    """An earlier assistant turn's thinking, sent back with its signature; the template gets it as reasoning_content."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+    @model_validator(mode="after")
+    def _signed(self) -> ThinkingBlock:
+        if self.signature != thinking_signature(self.thinking):
+            raise ValueError("signature: it does not match the block's thinking (send the block back as it came)")
+        return self
+
+
 def _block_kind(block: Any) -> str | None:
     kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
-    return {"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock"}.get(kind)
+    return {
+        "text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock", "thinking": "ThinkingBlock"
+    }.get(kind)
 
 
 # Blocks tagged by class name, so that an error's field path leaves the tag out.
 Block = Annotated[
     Annotated[TextBlock, Tag("TextBlock")] | Annotated[ToolUseBlock, Tag("ToolUseBlock")]
-    | Annotated[ToolResultBlock, Tag("ToolResultBlock")],
+    | Annotated[ToolResultBlock, Tag("ToolResultBlock")] | Annotated[ThinkingBlock, Tag("ThinkingBlock")],
     Discriminator(_block_kind),
 ]
 
@@ -86,7 +111,7 @@ class Message(RequestModel):
     @field_validator("content", mode="before")
     @classmethod
     def _known_blocks(cls, value: Any) -> Any:
-        return text_only(value, ("text", "tool_use", "tool_result"))
+        return text_only(value, ("text", "tool_use", "tool_result", "thinking"))
 
     def blocks(self) -> list[Block]:
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
@@ -150,7 +175,7 @@ class CountTokensRequest(RequestModel):
             marks += [(0, block.cache_control) for block in self.system if block.cache_control is not None]
         for index, message in enumerate(self.messages):
             if not isinstance(message.content, str):
-                marks += [(index + 1, b.cache_control) for b in message.content if b.cache_control is not None]
+                marks += [(index + 1, b.cache_control) for b in message.content if getattr(b, "cache_control", None)]
         if not marks:
             return None
         ttl_s = max(control.ttl_s for _, control in marks)
@@ -175,8 +200,10 @@ class CountTokensRequest(RequestModel):
                 ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
                 for b in blocks if isinstance(b, ToolUseBlock)
             )
-            if uses or text or not any(isinstance(b, ToolResultBlock) for b in blocks):
-                turns.append(Turn(message.role, text, calls=uses))
+            thoughts = [b.thinking for b in blocks if isinstance(b, ThinkingBlock)]
+            reasoning = "\n".join(thoughts) if thoughts else None
+            if uses or text or reasoning is not None or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                turns.append(Turn(message.role, text, calls=uses, reasoning=reasoning))
         return tools.prompt(turns, tool_plan)
 
 
@@ -186,10 +213,28 @@ class OutputFormat(RequestModel):
 
 
 class OutputConfig(RequestModel):
-    """Anthropic's `output_config`: its `format` (structured output) is enforced; `effort` is refused."""
+    """Anthropic's `output_config`: its `format` (structured output) is enforced; `effort` sets adaptive thinking's
+    budget."""
 
     format: OutputFormat | None = None
-    effort: None = Field(None, description="reasoning effort: this server has no reasoning mode")
+    effort: Literal["low", "medium", "high", "max"] | None = Field(None, description="how long adaptive thinking runs")
+
+
+class ThinkingEnabled(RequestModel):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1024, description="thinking tokens at most: the span is closed there")
+
+
+class ThinkingDisabled(RequestModel):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(RequestModel):
+    type: Literal["adaptive"]
+
+
+# Anthropic's efforts as thinking budgets (max: up to the output's own limit).
+EFFORT_BUDGET: dict[str, int | None] = {"low": 1024, "medium": 4096, "high": None, "max": None}
 
 
 class MessagesRequest(CountTokensRequest):
@@ -203,6 +248,29 @@ class MessagesRequest(CountTokensRequest):
     service_tier: Literal["auto", "standard_only"] | None = Field(None, description="there is one tier: both mean it")
     output_config: OutputConfig | None = None
     max_string_tokens: int | None = Field(None, ge=1)
+    thinking: ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | None = Field(
+        None, discriminator="type", description="extended thinking (a model with a reasoning_parser); unset: none"
+    )
+
+    @model_validator(mode="after")
+    def _budget_within_max_tokens(self) -> MessagesRequest:
+        if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens >= self.max_tokens:
+            raise ValueError("thinking.budget_tokens: it must be less than max_tokens")
+        return self
+
+    def thinking_budget(self, model: ModelInfo) -> Thinking:
+        """What `thinking` (and adaptive thinking's `output_config.effort`) asks: no thinking unless it is enabled."""
+        effort = self.output_config.effort if self.output_config is not None else None
+        if effort is not None and not isinstance(self.thinking, ThinkingAdaptive):
+            raise invalid("output_config.effort: it sets adaptive thinking's effort (thinking: {type: adaptive})", "output_config.effort")
+        match self.thinking:
+            case ThinkingEnabled(budget_tokens=budget):
+                reasoning_model(model, "thinking")
+                return Thinking(budget)
+            case ThinkingAdaptive():
+                reasoning_model(model, "thinking")
+                return Thinking(EFFORT_BUDGET[effort or "high"])
+        return Thinking(0) if model.reasoning_parser is not None else Thinking()
 
     def output_constraint(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> StructuredOutput | None:
         """The grammar of the answer: the tool-call format's (`output_config.format` holding an answer
@@ -215,7 +283,6 @@ class MessagesRequest(CountTokensRequest):
 
 # Fields of Anthropic's API that this server does not implement: a 400 naming them.
 UNSUPPORTED = {
-    "thinking": "this model has no extended thinking",
     "mcp_servers": "not supported",
     "container": "not supported",
     "context_management": "not supported",

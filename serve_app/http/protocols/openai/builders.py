@@ -23,6 +23,7 @@ from serve_app.http.protocols.openai.schema import (
     retained,
 )
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
+from serve_app.http.protocols.reasoning import from_effort
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import ParsedOutput, read_answer, tool_answer_reader
@@ -63,6 +64,7 @@ def _usage_json(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 
@@ -179,17 +181,19 @@ class ChatCompletionsBuilder(ResponseBuilder):
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         limits.check_choices(req.n)
+        thinking = from_effort(model, req.reasoning_effort, "reasoning_effort", req.thinking_token_budget)
         requests = [
             GenerateRequest(
                 messages=prompt.messages, tools=prompt.tools, cache_prefix=retained(req.prompt_cache_retention),
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=thinking.template_kwargs(req.chat_template_kwargs),
+                thinking_token_budget=thinking.budget,
                 **req.engine_fields(max_tokens, logprobs, choice, constraint, lora),
             )
             for choice in range(req.n)
         ]
         tool_answer = constraint if tool_plan is not None else None
         prepared = _prepared(req, requests, req.safety_identifier or req.user)
-        return ChatFormatter(prepared, req.logprobs, tool_answer)
+        return ChatFormatter(prepared, req.logprobs, tool_answer, req.include_reasoning)
 
 
 class ChatFormatter(_OpenAIFormatter):
@@ -198,9 +202,12 @@ class ChatFormatter(_OpenAIFormatter):
     object_chunk = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, prepared: PreparedRequest, logprobs: bool, tools: StructuredOutput | None) -> None:
+    def __init__(
+        self, prepared: PreparedRequest, logprobs: bool, tools: StructuredOutput | None, include_reasoning: bool = True
+    ) -> None:
         super().__init__(prepared, logprobs)
         self.tools = tools  # a tool-mode answer's grammar
+        self.include_reasoning = include_reasoning  # the thinking goes out as `reasoning_content`
         self.tool_streams: dict[int, ToolStream] = {}  # a tool-mode answer's reading, per choice, as it streams
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
@@ -234,9 +241,12 @@ class ChatFormatter(_OpenAIFormatter):
         ]
 
     def chunk(self, choice: Choice, delta: StreamDelta) -> list[str]:
-        if self.tools is not None:
-            return self._tool_chunks(self.tools, choice, delta)
         events = []
+        if delta.reasoning and self.include_reasoning:
+            body = {"index": choice.index, "delta": {"reasoning_content": delta.reasoning}, "logprobs": None, "finish_reason": None}
+            events.append(sse(self._chunk([body])))
+        if self.tools is not None:
+            return events + self._tool_chunks(self.tools, choice, delta)
         if delta.text or delta.logprobs and self.logprobs:
             events.append(
                 sse(
@@ -261,8 +271,16 @@ class ChatFormatter(_OpenAIFormatter):
     def response(self, choices: Sequence[Choice]) -> dict[str, Any]:
         tools = self.tools
         if tools is not None:
-            return self._response("chat.completion", choices, lambda c: _tool_message(tools, c))
-        return self._response("chat.completion", choices, lambda c: {"message": {"role": "assistant", "content": c.text}})
+            return self._response("chat.completion", choices, lambda c: self._with_reasoning(c, _tool_message(tools, c)))
+        return self._response(
+            "chat.completion", choices, lambda c: self._with_reasoning(c, {"message": {"role": "assistant", "content": c.text}})
+        )
+
+    def _with_reasoning(self, choice: Choice, content: dict[str, Any]) -> dict[str, Any]:
+        """A choice's message fields with its thinking as `reasoning_content`, where it thought."""
+        if choice.reasoning and self.include_reasoning:
+            content["message"]["reasoning_content"] = choice.reasoning
+        return content
 
     def _tool_chunks(self, tools: StructuredOutput, choice: Choice, delta: StreamDelta) -> list[str]:
         """A tool-mode choice streams as it is read: its text as content, each whole call's id, type and

@@ -11,6 +11,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from serve_app.engine.io import CachePrefix, SamplingParams, StructuredOutput
 from serve_app.http.protocols.errors import invalid
 from serve_app.http.protocols.fields import RequestModel, from_validation_error, text_only
+from serve_app.http.protocols.reasoning import Effort
 from serve_app.http.tools.plan import Prompt, ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, plan
 
 CacheRetention = Literal["in_memory", "24h"]
@@ -63,6 +64,8 @@ class ChatMessage(RequestModel):
     refusal: str | None = Field(None, description="an earlier assistant turn's refusal: its text")
     function_call: None = Field(None, description="deprecated by OpenAI: send tool_calls (null accepted)")
     audio: None = Field(None, description="an earlier audio answer: this server produces text (null accepted)")
+    reasoning_content: str | None = Field(None, description="an earlier assistant turn's thinking, given to the template")
+    reasoning: str | None = Field(None, description="the same as reasoning_content (vLLM's newer name)")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -77,7 +80,13 @@ class ChatMessage(RequestModel):
             raise ValueError("tool_call_id: tool messages need one, and only they")
         if self.refusal is not None and self.role != "assistant":
             raise ValueError("refusal: only assistant messages carry one")
+        if self.thinking() is not None and self.role != "assistant":
+            raise ValueError("reasoning_content: only assistant messages carry it")
         return self
+
+    def thinking(self) -> str | None:
+        """An assistant turn's thinking, by either name."""
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def text(self) -> str:
         if self.content is None:
@@ -105,7 +114,6 @@ UNSUPPORTED = {
     "web_search_options": "not supported",
     "store": "not supported: chat completions are not stored (the Responses API stores responses)",
     "service_tier": "only auto or default: there is one tier",
-    "reasoning_effort": "this model has no reasoning mode",
     "verbosity": "not supported",
     "guided_json": "not supported; send structured_outputs: {\"json\": ...}",
     "guided_regex": "not supported; send structured_outputs: {\"regex\": ...}",
@@ -326,6 +334,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, max_length=64, description="the chat template's further variables (`enable_thinking`, ...)"
     )
+    reasoning_effort: Effort | None = Field(None, description="how long a reasoning model thinks (a thinking budget)")
+    include_reasoning: bool = Field(True, description="vLLM's: false leaves the thinking out of the answer")
+    thinking_token_budget: int | None = Field(None, ge=0, description="vLLM's: the thinking is closed after this many tokens")
 
     @model_validator(mode="after")
     def _one_salt(self) -> ChatCompletionRequest:
@@ -374,9 +385,10 @@ def chat_prompt(messages: list[ChatMessage], tools: ToolCallFormat, tool_plan: T
             turns.append(Turn("tool", m.text(), call_id=m.tool_call_id))
         elif m.tool_calls:
             calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls)
-            turns.append(Turn("assistant", m.text(), calls=calls, author=m.name))
+            turns.append(Turn("assistant", m.text(), calls=calls, author=m.name, reasoning=m.thinking()))
         else:
-            turns.append(Turn("system" if m.role == "developer" else m.role, m.text(), author=m.name))
+            role = "system" if m.role == "developer" else m.role
+            turns.append(Turn(role, m.text(), author=m.name, reasoning=m.thinking()))
     return tools.prompt(turns, tool_plan)
 
 

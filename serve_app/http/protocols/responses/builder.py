@@ -16,6 +16,7 @@ from serve_app.http.protocols.fields import refuse_fields, validate_body
 from serve_app.http.protocols.openai import ERRORS as OPENAI_ERRORS
 from serve_app.http.protocols.openai.schema import retained
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
+from serve_app.http.protocols.reasoning import from_effort
 from serve_app.http.protocols.responses.schema import ACCEPTED, UNSUPPORTED, FunctionChoice, ResponsesRequest
 from serve_app.http.response_store import StoredResponse
 from serve_app.http.served_models import adapter_of
@@ -26,6 +27,7 @@ from serve_app.http.tools.stream import (
     CallStarted,
     TextDelta,
     ToolStream,
+    ToolStreamEvent,
 )
 
 
@@ -35,7 +37,7 @@ def _usage(prepared: PreparedRequest, choice: Choice) -> dict[str, Any]:
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -44,6 +46,14 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {
         "type": "message", "id": item_id, "status": status, "role": "assistant",
         "content": [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def _reasoning_item(text: str, status: str) -> dict[str, Any]:
+    """A reasoning output item: the model's thinking as its `reasoning_text` (no summary is written)."""
+    return {
+        "type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:24], "summary": [], "status": status,
+        "content": [{"type": "reasoning_text", "text": text}],
     }
 
 
@@ -87,6 +97,7 @@ class ResponsesBuilder(ResponseBuilder):
         system = [Turn("system", req.instructions)] if req.instructions else []
         prompt = tools.prompt([*system, *turns], tool_plan)
         constraint = req.output_constraint(tools, tool_plan)
+        thinking = from_effort(model, req.reasoning.effort if req.reasoning is not None else None, "reasoning.effort")
         request = GenerateRequest(
             messages=prompt.messages,
             tools=prompt.tools,
@@ -97,6 +108,8 @@ class ResponsesBuilder(ResponseBuilder):
             lora=lora,
             cache_salt=req.prompt_cache_key,
             cache_prefix=retained(req.prompt_cache_retention),
+            thinking_token_budget=thinking.budget,
+            chat_template_kwargs=thinking.template_kwargs(None),
         )
         end_user = req.safety_identifier or req.user
         prepared = PreparedRequest(requests=[request], stream=req.stream, model=req.model, end_user=end_user)
@@ -139,7 +152,7 @@ class ResponsesFormatter(ResponseFormatter):
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning is not None else None, "summary": None},
             "store": req.store,
             "temperature": req.temperature,
             "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format else {"type": "text"}},
@@ -156,21 +169,23 @@ class ResponsesFormatter(ResponseFormatter):
         }
 
     def _output(self, choice: Choice) -> tuple[str, list[dict[str, Any]]]:
-        """(status, output items) of a finished choice."""
+        """(status, output items) of a finished choice: its thinking, then its message or calls."""
         status = _status(choice)
+        thinking = [_reasoning_item(choice.reasoning, status)] if choice.reasoning else []
         if self._constraint is None:
-            return status, [_message_item(_message_id(), choice.text, status)]
+            return status, [*thinking, _message_item(_message_id(), choice.text, status)]
         parsed = read_answer(self._constraint, choice.text, choice.complete, "call_")
         items = [_message_item(_message_id(), parsed.content, status)] if parsed.content else []
         items += [_call_item(call) for call in parsed.calls]
-        return status, items or [_message_item(_message_id(), "", status)]
+        return status, [*thinking, *(items or [_message_item(_message_id(), "", status)])]
 
     def _finish(self, choice: Choice, status: str, items: list[dict[str, Any]]) -> dict[str, Any]:
         """The whole response, kept (with the conversation it ends) for `previous_response_id`."""
         response = self._response(status, items, choice)
         text = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
         calls = tuple(ToolCall(i["call_id"], i["name"], i["arguments"]) for i in items if i["type"] == "function_call")
-        self.finished = StoredResponse(response, (*self._turns, Turn("assistant", text, calls=calls)))
+        reasoning = "".join(i["content"][0]["text"] for i in items if i["type"] == "reasoning") or None
+        self.finished = StoredResponse(response, (*self._turns, Turn("assistant", text, calls=calls, reasoning=reasoning)))
         return response
 
     def response(self, choices: Sequence[Choice]) -> dict[str, Any]:
@@ -185,20 +200,20 @@ class ResponsesFormatter(ResponseFormatter):
 
     def stream_start(self, choices: Sequence[Choice]) -> list[str]:
         started = self._response("in_progress", [], None)
-        events = [self._event("response.created", response=started), self._event("response.in_progress", response=started)]
-        if self._answer is None:
-            events += self._open_message()
-        return events
+        return [self._event("response.created", response=started), self._event("response.in_progress", response=started)]
 
     def chunk(self, choice: Choice, delta: StreamDelta) -> list[str]:
-        if self._answer is None:
-            return self._add_text(delta.text) if delta.text else []
+        """The events of the answer's next delta: each item opened as the answer reaches it (its thinking, its
+        text, each whole call) and the one before it closed."""
         if delta.finish_reason == "error":
             return []
-        events: list[str] = []
-        settled = self._answer.feed(delta.text)
-        if delta.finish_reason is not None:
-            settled += self._answer.finish(choice.complete)
+        events = self._add_reasoning(delta.reasoning) if delta.reasoning else []
+        if self._answer is None:
+            settled: list[ToolStreamEvent] = [TextDelta(delta.text)] if delta.text else []
+        else:
+            settled = self._answer.feed(delta.text)
+            if delta.finish_reason is not None:
+                settled += self._answer.finish(choice.complete)
         for event in settled:
             match event:
                 case TextDelta(piece):
@@ -223,7 +238,8 @@ class ResponsesFormatter(ResponseFormatter):
             failed["error"] = {"code": "server_error", "message": choice.error or "generation failed"}
             return [*self._closing, self._event("response.failed", response=failed)]
         status = _status(choice)
-        events = [] if self._items else self._open_message()
+        answered = any(item["type"] != "reasoning" for item in self._items)
+        events = [] if answered else self._close_item(status) + self._open_message()
         events += self._close_item(status)
         self._closing = events
         response = self._finish(choice, status, self._items)
@@ -241,6 +257,18 @@ class ResponsesFormatter(ResponseFormatter):
         return [*events, self._event(
             "response.content_part.added", item_id=item["id"], output_index=len(self._items) - 1, content_index=0,
             part=item["content"][0],
+        )]
+
+    def _add_reasoning(self, piece: str) -> list[str]:
+        """Thinking text, in the reasoning item (opened first where another item is open)."""
+        events = []
+        if not self._items or self._items[-1]["type"] != "reasoning":
+            events = self._close_item("completed") + self._open(_reasoning_item("", "in_progress"))
+        item = self._items[-1]
+        item["content"][0]["text"] += piece
+        return [*events, self._event(
+            "response.reasoning_text.delta", item_id=item["id"], output_index=len(self._items) - 1, content_index=0,
+            delta=piece,
         )]
 
     def _add_text(self, piece: str) -> list[str]:
@@ -267,6 +295,14 @@ class ResponsesFormatter(ResponseFormatter):
             ]
         item["status"] = status
         part = item["content"][0]
+        if item["type"] == "reasoning":
+            return [
+                self._event(
+                    "response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                    text=part["text"],
+                ),
+                self._event("response.output_item.done", output_index=index, item=item),
+            ]
         return [
             self._event(
                 "response.output_text.done", item_id=item["id"], output_index=index, content_index=0,

@@ -4,6 +4,7 @@ refused by name."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
@@ -12,6 +13,7 @@ from serve_app.engine.io import StructuredOutput
 from serve_app.http.protocols.errors import invalid
 from serve_app.http.protocols.fields import RequestModel, text_only, validate_part
 from serve_app.http.protocols.openai.schema import CacheRetention
+from serve_app.http.protocols.reasoning import Effort
 from serve_app.http.tools.plan import ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, call_names, plan
 
 
@@ -58,6 +60,34 @@ class FunctionCallOutputItem(RequestModel):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
+class ReasoningText(RequestModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(RequestModel):
+    """An earlier response's thinking, sent back as input: the template gets it with the assistant turn it precedes."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = Field(default_factory=list, description="summaries are not written here: sent back as they came")
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = Field(None, description="not written here (null only)")
+    status: str | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
+class ReasoningOptions(RequestModel):
+    effort: Effort | None = Field(None, description="how long a reasoning model thinks (a thinking budget)")
+    summary: None = Field(None, description="reasoning summaries: not written here (the item carries the thinking)")
+    generate_summary: None = Field(None, description="deprecated by OpenAI: summaries are not written here")
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
 def _item_kind(item: Any) -> str:
     return item.get("type", "message") if isinstance(item, dict) else "message"
 
@@ -99,7 +129,6 @@ UNSUPPORTED = {
     "background": "not supported: responses run in the foreground",
     "conversation": "not supported; continue with previous_response_id",
     "prompt": "not supported: there are no stored prompt templates here",
-    "reasoning": "this server has no reasoning mode",
     "top_logprobs": "not supported",
     "max_tool_calls": "not supported",
     "service_tier": "not supported",
@@ -132,7 +161,8 @@ class ResponsesRequest(RequestModel):
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
     max_string_tokens: int | None = Field(None, ge=1)
-    _items: list[MessageItem | FunctionCallItem | FunctionCallOutputItem] = PrivateAttr(default_factory=list)
+    reasoning: ReasoningOptions | None = None
+    _items: list[InputItem] = PrivateAttr(default_factory=list)
     _function_tools: list[FunctionTool] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
@@ -142,7 +172,10 @@ class ResponsesRequest(RequestModel):
         if isinstance(self.input, str):
             self._items = [MessageItem(role="user", content=self.input)]
         else:
-            kinds = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+            kinds = {
+                "message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+                "reasoning": ReasoningItem,
+            }
             for index, item in enumerate(self.input):
                 kind = kinds.get(_item_kind(item))
                 if kind is None:
@@ -164,7 +197,7 @@ class ResponsesRequest(RequestModel):
             raise ValueError("no additional output data is available from this server")
         return value
 
-    def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+    def input_items(self) -> list[InputItem]:
         return self._items
 
     def function_tools(self) -> list[FunctionTool]:
@@ -195,22 +228,33 @@ class ResponsesRequest(RequestModel):
         return StructuredOutput(json=text_format.schema_, param="text.format.schema")
 
     def turns(self, earlier: Sequence[Turn]) -> list[Turn]:
-        """The conversation so far: an earlier response's, then this input (calls join their assistant turn)."""
+        """The conversation so far: an earlier response's, then this input (calls and a reasoning item join their
+        assistant turn)."""
         turns = list(earlier)
         names = call_names(turns)
         fresh = len(turns)
+
+        def open_assistant() -> Turn | None:
+            """This input's last turn, where an assistant's reasoning, message or call may still join it."""
+            last = turns[-1] if len(turns) > fresh else None
+            return last if last is not None and last.role == "assistant" else None
+
         for item in self.input_items():
-            if isinstance(item, MessageItem):
-                turns.append(Turn("system" if item.role == "developer" else item.role, item.text()))
+            last = open_assistant()
+            if isinstance(item, ReasoningItem):
+                turns.append(Turn("assistant", "", reasoning=item.text()))
+            elif isinstance(item, MessageItem):
+                if item.role == "assistant" and last is not None and not last.content and not last.calls:
+                    turns[-1] = replace(last, content=item.text())
+                else:
+                    turns.append(Turn("system" if item.role == "developer" else item.role, item.text()))
             elif isinstance(item, FunctionCallItem):
                 call = ToolCall(item.call_id, item.name, item.arguments)
                 names[call.id] = call.name
-                last = turns[-1] if len(turns) > fresh else None
-                if last is not None and last.role == "assistant":
-                    turns[-1] = Turn("assistant", last.content, calls=(*last.calls, call))
+                if last is not None:
+                    turns[-1] = replace(last, calls=(*last.calls, call))
                 else:
                     turns.append(Turn("assistant", "", calls=(call,)))
             else:
                 turns.append(Turn("tool", item.text(), call_id=item.call_id, name=names.get(item.call_id)))
         return turns
-
