@@ -108,6 +108,7 @@ class InferenceEngine(Conveniences):
         self.runner, self.cache = _on_a_thread_of_its_own(self._load)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
+        self.hidden_size = self.runner.hidden_size
         chosen = self.config.model.tool_call_format
         self.tool_format: ToolFormat = self.tokenizer.tool_format if chosen == "auto" else chosen
         parser = self.config.model.reasoning_parser
@@ -195,7 +196,9 @@ class InferenceEngine(Conveniences):
         CompileAbandoned when `withdrawn()` turns true while its grammar compiles."""
         encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
         request, prompt_ids = encoded.request, encoded.prompt_ids
-        max_tokens = self._check_lengths(prompt_ids, request.max_tokens)
+        if request.embed:
+            self._check_embeddable(request, prompt_ids)
+        max_tokens = 1 if request.embed else self._check_lengths(prompt_ids, request.max_tokens)
         params = request.sampling
         outside = token_id_outside(request, prompt_ids, self.runner.vocab_size)
         if outside is not None:
@@ -239,6 +242,7 @@ class InferenceEngine(Conveniences):
             matcher=matcher,
             guard=guard,
             thinking=thinking,
+            embed=request.embed,
             adapter_slot=slot,
             on_finished=self._releaser(slot),
         )
@@ -249,6 +253,14 @@ class InferenceEngine(Conveniences):
                 task.on_finished()
             raise
         return task
+
+    def _check_embeddable(self, request: GenerateRequest, prompt_ids: list[int]) -> None:
+        """An embed request is a prompt that fits the context, with nothing to generate."""
+        if request.messages is not None or request.structured_output is not None or request.suffix is not None:
+            raise InvalidRequestError("embed", "a prompt's embedding: give a prompt, without messages, a grammar or a suffix")
+        limit = min(self.max_model_len, self.cache.max_task_tokens)
+        if len(prompt_ids) > limit:
+            raise InvalidRequestError("input", f"{len(prompt_ids)} tokens are over the {limit} an embedding can read")
 
     def _thinking(self, request: GenerateRequest, prompt_ids: list[int]) -> ThinkingSpan | None:
         """A chat request's thinking span, where this engine's model reasons (its budget `thinking_token_budget`); a

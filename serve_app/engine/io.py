@@ -208,6 +208,10 @@ class GenerateRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="the chat template's further variables (`enable_thinking`, ...); with messages only"
     )
+    embed: bool = Field(
+        False, description="return the prompt's embedding (its last token's final hidden state, L2-normalized, as vLLM "
+        "pools a decoder model) instead of generating; a prompt only",
+    )
     thinking_token_budget: int | None = Field(
         None, ge=0,
         description="a reasoning model's thinking is closed after this many tokens (its engine's reasoning_parser "
@@ -329,6 +333,7 @@ class StreamDelta:
     error: str | None = None
     queue_time_s: float | None = None  # on the first delta: how long the request waited to be admitted
     reasoning: str = ""  # new thinking text, apart from the answer's `text` (an engine with a reasoning_parser)
+    embedding: tuple[float, ...] | None = None  # an `embed` request's (its only delta)
 
 
 def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
@@ -500,5 +505,6 @@ class ModelInfo:
     created: int
     tool_format: ToolFormat
     vocab_size: int  # token ids a request may name are below it
+    hidden_size: int  # an embedding's length
     grammar: GrammarConfig = field(default_factory=GrammarConfig)  # what a request's constraint may cost
     reasoning_parser: ReasoningParser | None = None  # how the model's thinking is told from its answer, if it thinks

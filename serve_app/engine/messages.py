@@ -39,6 +39,7 @@ class Ready:
     created: int
     tool_format: ToolFormat
     vocab_size: int
+    hidden_size: int
     stats: dict[str, int]
 
 

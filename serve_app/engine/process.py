@@ -111,6 +111,7 @@ class EngineProcess:
         self.created = ready.created
         self.tool_format = ready.tool_format
         self.vocab_size = ready.vocab_size
+        self.hidden_size = ready.hidden_size
         self._health = Health(ready.stats, True)
         self._page_events = PageEventBuffer()
         self._lock = threading.Lock()  # guards the tables below and `_exit_reason`

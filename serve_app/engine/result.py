@@ -18,6 +18,7 @@ class GenerateResult:
     prompt_tokens: int
     text: str = ""
     reasoning: str = ""  # the thinking, apart from the answer's `text` (an engine with a reasoning_parser)
+    embedding: tuple[float, ...] | None = None  # an `embed` request's
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -49,6 +50,8 @@ class GenerateResult:
         with self._done:
             self.text += delta.text
             self.reasoning += delta.reasoning
+            if delta.embedding is not None:
+                self.embedding = delta.embedding
             self.token_ids.extend(delta.token_ids)
             self.logprobs.extend(delta.logprobs)
             if delta.usage is not None:

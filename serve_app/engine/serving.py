@@ -28,6 +28,7 @@ class ServingEngine(Protocol):
     created: int
     tool_format: ToolFormat
     vocab_size: int
+    hidden_size: int
 
     async def stream(self, request: EncodedRequest) -> DeltaStream: ...
     async def answer_async(self, call: EngineCall) -> Any: ...

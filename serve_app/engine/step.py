@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
-from serve_app.engine.emitting import TokenEmitter
+import torch
+
+from serve_app.engine.emitting import Emitted, TokenEmitter
 from serve_app.engine.grammar import GrammarCompiler
+from serve_app.engine.io import StreamDelta
 from serve_app.engine.scheduler import Batch, Scheduler
 from serve_app.model.runner import ForwardBatch, ModelRunner
 
@@ -17,7 +20,8 @@ class ModelStep:
 
     def run(self, batch: Batch) -> None:
         """One forward over `batch`, then sampling for the tasks at the end of their tokens (a task with
-        proposals samples a row for each, and one more)."""
+        proposals samples a row for each, and one more); an `embed` task at the end of its prompt gets its
+        embedding instead."""
         sample_rows, sampled, first_rows, row = [], [], [], 0
         for entry, task in zip(batch.entries, batch.tasks):
             row += entry.num_new
@@ -30,7 +34,26 @@ class ModelStep:
         ]
         slots = [task.adapter_slot for task in batch.tasks]
         cache = self.scheduler.cache
-        logits = self.runner.forward(ForwardBatch(batch.entries, token_ids, sample_rows, slots), cache.view(batch.entries))
+        forward = ForwardBatch(batch.entries, token_ids, sample_rows, slots)
+        if any(task.embed for task in sampled):
+            with self.runner.head_inputs() as hidden:
+                logits = self.runner.forward(forward, cache.view(batch.entries))
+        else:
+            hidden, logits = [], self.runner.forward(forward, cache.view(batch.entries))
         self.scheduler.computed(batch)
-        if sampled:
-            self.scheduler.postprocess(sampled, self.emitter.emit(logits, sampled, first_rows))
+        if not sampled:
+            return
+        generating = [i for i, task in enumerate(sampled) if not task.embed]
+        emitted = self.emitter.emit(logits, [sampled[i] for i in generating], [first_rows[i] for i in generating])
+        outcomes = dict(zip(generating, emitted))
+        for i, task in enumerate(sampled):
+            if task.embed:
+                outcomes[i] = _embedded(hidden[0][0, first_rows[i]])
+        self.scheduler.postprocess(sampled, [outcomes[i] for i in range(len(sampled))])
+
+
+def _embedded(state: torch.Tensor) -> Emitted:
+    """An embed task's outcome: its last prompt token's final hidden state, L2-normalized (vLLM's pooling of a decoder
+    model: last token, normalized)."""
+    vector = torch.nn.functional.normalize(state.float(), dim=-1)
+    return Emitted(StreamDelta("", (), "stop", embedding=tuple(vector.tolist())), 0)

@@ -66,6 +66,7 @@ class Task:
     matcher: xgrammar.GrammarMatcher | None = None  # a structured-output request's grammar state
     guard: AnswerGuard | None = None  # a JSON or tool-call answer's repeats and lengths
     thinking: ThinkingSpan | None = None  # a reasoning model's thinking, before the answer its grammar holds
+    embed: bool = False  # its prompt's embedding is its outcome: it ends when its prefill does
     adapter_slot: int | None = None  # the LoRA adapter slot its rows run with (None: the base model)
     on_finished: Callable[[], None] | None = None  # gives back what it held (its adapter slot) once it ends
     state: TaskState = TaskState.WAITING

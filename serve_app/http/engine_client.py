@@ -71,7 +71,8 @@ class LocalEngineClient(EngineClient):
         self.engine = engine
         self.prompts = PromptEncoder(engine.tokenizer)
         self.info = ModelInfo(
-            served_name, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size, engine.config.grammar,
+            served_name, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size, engine.hidden_size,
+            engine.config.grammar,
             engine.config.model.reasoning_parser,
         )
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +121,7 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.vocab_size = int(text_config.vocab_size)
+        self.hidden_size = int(text_config.hidden_size)  # an embedding's length
         self.decode_kernel = (
             load_decode_kernel(config.cache_dir, self.device, self.dtype) if config.decode_attention == "auto" else None
         )
@@ -177,6 +179,18 @@ class ModelRunner:
         with step_context(view, self.decode_kernel), lora_rows(self._adapter_rows(batch)):
             output = self.model_forward(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep)
         return output.logits[0, : len(batch.sample_rows)].float()
+
+    @contextmanager
+    def head_inputs(self) -> Iterator[list[torch.Tensor]]:
+        """What the LM head is given in the forwards run inside (the final hidden states of the rows it projects,
+        [1, rows, hidden] each): the embeddings of those rows."""
+        captured: list[torch.Tensor] = []
+        head = self.model.get_output_embeddings()
+        handle = head.register_forward_pre_hook(lambda _module, args: captured.append(args[0].detach()))
+        try:
+            yield captured
+        finally:
+            handle.remove()
 
     def _padded(self, rows: list[int]) -> list[int]:
         """On the CPU, several sampled rows padded (with the last) to a multiple of 4: MKL's float32 matrix

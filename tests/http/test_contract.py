@@ -26,6 +26,7 @@ ROUTES = [
     ("/v1/messages", {"model": MODEL, "messages": CHAT, "max_tokens": 1}),
     ("/v1/messages/count_tokens", {"model": MODEL, "messages": CHAT}),
     ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 1, "store": False}),
+    ("/v1/embeddings", {"model": MODEL, "input": "Hi"}),
 ]
 
 

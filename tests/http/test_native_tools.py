@@ -106,7 +106,7 @@ def test_the_chat_template_decides_the_format_and_the_config_can_override_it(
 
 
 def test_both_apis_render_tools_and_history_through_the_template(hermes: InferenceEngine) -> None:
-    info = ModelInfo(MODEL, 1024, 0, "hermes", 49152)
+    info = ModelInfo(MODEL, 1024, 0, "hermes", 49152, 576)
     chat = ChatCompletionsBuilder().prepare(
         {"model": MODEL, "messages": HISTORY, "tools": [WEATHER], "max_tokens": 8}, info
     ).prepared.requests[0]

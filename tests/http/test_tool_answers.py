@@ -108,7 +108,7 @@ def _forced_request(engine: InferenceEngine, max_tokens: int) -> GenerateRequest
     tools = [{"type": "function", "function": {"name": "get_weather", "description": DESCRIPTION, "parameters": PARAMETERS}}]
     body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "tools": tools, "tool_choice": "required",
             "max_tokens": max_tokens, "temperature": 0}
-    return ChatCompletionsBuilder().prepare(body, ModelInfo(MODEL, 2048, 0, "generic", 49152)).prepared.requests[0]
+    return ChatCompletionsBuilder().prepare(body, ModelInfo(MODEL, 2048, 0, "generic", 49152, 576)).prepared.requests[0]
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ CALL = '{"tool_calls": [{"name": "get_weather", "arguments": '
 
 @pytest.mark.parametrize("api", ["chat", "messages", "responses"])
 def test_calls_under_auto_hold_to_their_schemas(api: str, engine: InferenceEngine) -> None:
-    info = ModelInfo(MODEL, 2048, 0, "generic", 49152)
+    info = ModelInfo(MODEL, 2048, 0, "generic", 49152, 576)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}
     body, builder = {
         "chat": ({"messages": [{"role": "user", "content": QUESTION}], "tools": [tool], "tool_choice": "auto"}, ChatCompletionsBuilder()),

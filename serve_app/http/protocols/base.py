@@ -66,6 +66,7 @@ class ResponseBuilder(ABC):
     stop_param = "stop"
     max_tokens_param = "max_tokens"
     messages_param = "messages"
+    prompt_param = "prompt"  # its prompt as text or token ids (legacy completions' name)
 
     @abstractmethod
     def prepare(self, body: Any, model: ModelInfo, limits: RequestLimits = DEFAULT_LIMITS) -> ResponseFormatter:
@@ -118,7 +119,9 @@ class ProtocolHandler:
             if prepared.end_user is not None:
                 self.span.set_attribute("enduser.id", prepared.end_user)
             builder = self.builder
-            limits.apply(prepared, info, builder.stop_param, builder.max_tokens_param, builder.messages_param)
+            limits.apply(
+                prepared, info, builder.stop_param, builder.max_tokens_param, builder.messages_param, builder.prompt_param
+            )
             salts = [cache_salt(r.cache_salt) if cache_salt is not None else r.cache_salt or "" for r in prepared.requests]
             encoded = await self.engine.prompts.encode(
                 prepared.requests, salts, tracing.carrier(self.span), prepared.choices_per_prompt

@@ -69,6 +69,7 @@ class RequestLimits:
         stop_param: str = "stop",
         max_tokens_param: str = "max_tokens",
         messages_param: str = "messages",
+        prompt_param: str = "prompt",
     ) -> None:
         """Check `prepared` against the limits (each error naming the field as the protocol calls it); a
         request without `max_tokens` gets `max_output_tokens`, and a JSON or tool-call answer's constrained
@@ -92,8 +93,8 @@ class RequestLimits:
                 messages_param,
             )
         for request in prepared.requests[:: prepared.choices_per_prompt]:
-            self.check_characters(request, model, messages_param)
-            check_vocabulary(request, model.vocab_size)
+            self.check_characters(request, model, messages_param, prompt_param)
+            check_vocabulary(request, model.vocab_size, prompt_param)
             if request.structured_output is not None:  # refused here, before it is tokenized, routed or compiled
                 try:
                     check_size(request.structured_output, model.grammar)
@@ -113,12 +114,14 @@ class RequestLimits:
         if asked is None:
             prepared.requests = [r.model_copy(update={"max_tokens": self.max_output_tokens}) for r in prepared.requests]
 
-    def check_characters(self, request: GenerateRequest, model: ModelInfo, messages_param: str = "messages") -> None:
+    def check_characters(
+        self, request: GenerateRequest, model: ModelInfo, messages_param: str = "messages", prompt_param: str = "prompt"
+    ) -> None:
         """The prompt's text (a chat's messages and tools) within `prompt_characters`: bounded before tokenizing."""
         limit = self.prompt_characters(model)
         characters = prompt_characters(request)
         if characters > limit:
-            param = "prompt" if request.prompt is not None else messages_param
+            param = prompt_param if request.prompt is not None else messages_param
             raise invalid(
                 f"{param}: {characters} characters are over max_prompt_characters={limit} (the model's context "
                 f"holds {model.max_model_len} tokens)",
@@ -141,8 +144,9 @@ def prompt_characters(request: GenerateRequest) -> int:
     return text + sum(len(json.dumps(extra)) for extra in extras if extra)
 
 
-def check_vocabulary(request: GenerateRequest, vocab_size: int) -> None:
-    """Token ids and `top_k` within the model's vocabulary, so that no bad value reaches the router or a batch."""
+def check_vocabulary(request: GenerateRequest, vocab_size: int, prompt_param: str = "prompt") -> None:
+    """Token ids and `top_k` within the model's vocabulary, so that no bad value reaches the router or a batch (the
+    prompt's ids named as the API calls them: `prompt_param`)."""
     top_k = request.sampling.top_k
     if top_k > vocab_size:
         raise invalid(f"top_k: {top_k} is over the vocabulary's {vocab_size} tokens (0 or -1 keeps them all)", "top_k")
@@ -150,4 +154,5 @@ def check_vocabulary(request: GenerateRequest, vocab_size: int) -> None:
     outside = token_id_outside(request, prompt_ids, vocab_size)
     if outside is not None:
         param, message = outside
+        param = prompt_param if param == "prompt" else param
         raise invalid(f"{param}: {message}", param)

@@ -33,6 +33,7 @@ class Choice:
     index: int
     text: str = ""
     reasoning: str = ""  # a reasoning model's thinking, apart from its answer `text`
+    embedding: tuple[float, ...] | None = None  # an embedding request's
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -48,6 +49,8 @@ class Choice:
     def add(self, delta: StreamDelta) -> None:
         self.text += delta.text
         self.reasoning += delta.reasoning
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         if delta.usage is not None:

@@ -1,4 +1,4 @@
-"""The generation routes: OpenAI chat and legacy completions, Anthropic messages and token counting."""
+"""The generation routes: OpenAI chat and legacy completions, embeddings, Anthropic messages and token counting."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from serve_app.http.protocols.anthropic import (
 )
 from serve_app.http.protocols.base import Answered, ProtocolHandler, ResponseBuilder
 from serve_app.http.protocols.openai import ChatCompletionsBuilder, CompletionsBuilder
+from serve_app.http.protocols.openai.embeddings import EmbeddingsBuilder
 from serve_app.http.routes.answering import answers_in
 from serve_app.http.streaming import ClosingStreamingResponse
 from serve_app.http.tenants import Tenant
@@ -62,6 +63,7 @@ async def generate(
 router.add_api_route("/v1/chat/completions", _generation(ChatCompletionsBuilder()), methods=["POST"])
 router.add_api_route("/v1/completions", _generation(CompletionsBuilder()), methods=["POST"])
 router.add_api_route("/v1/messages", _generation(messages), methods=["POST"])
+router.add_api_route("/v1/embeddings", _generation(EmbeddingsBuilder()), methods=["POST"])
 
 
 @router.post("/v1/messages/count_tokens")

@@ -20,6 +20,7 @@ from serve_app.http.protocols.openai.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    prompt_list,
     retained,
 )
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
@@ -324,7 +325,7 @@ class CompletionsBuilder(ResponseBuilder):
         body = refuse_fields(body, COMPLETIONS_UNSUPPORTED, COMPLETIONS_ACCEPTED)
         req: CompletionRequest = validate_body(CompletionRequest, body, limits.unknown_fields)
         lora = adapter_of(model, req.model)
-        prompts = _prompts(req.prompt)
+        prompts = prompt_list(req.prompt, "prompt")
         if req.echo and req.logprobs is not None:
             raise invalid("echo: not with logprobs (the prompt's logprobs are not computed)", "echo")
         if req.echo and not all(isinstance(p, str) for p in prompts):
@@ -397,16 +398,3 @@ class CompletionFormatter(_OpenAIFormatter):
             return {"text": text, "token_ids": choice.token_ids} if self.token_ids else {"text": text}
 
         return self._response("text_completion", choices, content)
-
-
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """The legacy `prompt` field as a list of prompts (text or token ids)."""
-    if isinstance(prompt, str):
-        prompts: list[str | list[int]] = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]  # type: ignore[arg-type]
-    else:
-        prompts = list(prompt)  # type: ignore[arg-type]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise invalid("prompt: must not be empty", "prompt")
-    return prompts

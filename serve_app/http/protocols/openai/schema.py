@@ -398,3 +398,16 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
     return_token_ids: bool = Field(False, description="also return the generated token ids (with each streamed chunk)")
+
+
+def prompt_list(prompt: str | list[str] | list[int] | list[list[int]], param: str) -> list[str | list[int]]:
+    """A prompt field (legacy completions' `prompt`, embeddings' `input`) as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = list(prompt)  # type: ignore[arg-type]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise invalid(f"{param}: must not be empty", param)
+    return prompts
