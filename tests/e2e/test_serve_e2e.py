@@ -168,6 +168,14 @@ def test_greedy_http_equals_in_process_engine_and_streams_match(oai: openai.Open
     assert chunks[-1].usage.prompt_tokens == local.usage.prompt_tokens
 
 
+def test_embeddings_through_serve_run_equal_the_in_process_engines(oai: openai.OpenAI, engine: InferenceEngine) -> None:
+    texts = ["The moon orbits the earth.", "Paris is in France."]
+    served = oai.embeddings.create(model=MODEL, input=texts)
+    for data, text in zip(served.data, texts):
+        local = engine.submit(GenerateRequest(prompt=text, embed=True)).wait(60).embedding
+        assert max(abs(a - b) for a, b in zip(data.embedding, local)) < 1e-5
+
+
 def test_stop_sequences_and_n(oai: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Count from one to ten in words."}]
     full = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0).choices[0].message.content
