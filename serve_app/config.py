@@ -21,7 +21,7 @@ def default_cache_dir() -> Path:
 
 
 # How tools reach a model (`serve_app.model.tokenizer.template_tool_format` reads it off a chat template).
-ToolFormat = Literal["generic", "hermes", "llama3_json"]
+ToolFormat = Literal["generic", "hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v31"]
 # A model's weights: `serve_app.model.quant.quantization` applies it.
 Quantization = Literal["none", "int8", "fp8"]
 # How a reasoning model's thinking is told from its answer (`serve_app.engine.reasoning` has each).
@@ -51,8 +51,9 @@ class ModelConfig(_Strict):
     )
     tool_call_format: Literal["auto"] | ToolFormat = Field(
         "auto",
-        description="how tools reach the model: auto reads the chat template (hermes for <tool_call> templates, "
-        "llama3_json for Llama 3.1+, generic for templates that ignore tools)",
+        description="how tools reach the model (vLLM's tool_call_parser): auto reads the chat template (hermes for "
+        "<tool_call> templates, llama3_json for Llama 3.1+, mistral for [TOOL_CALLS]name[ARGS], qwen3_coder for "
+        "Qwen3-Coder's XML, deepseek_v31 for DeepSeek-V3.1's, generic for templates that ignore tools)",
     )
     reasoning_parser: ReasoningParser | None = Field(
         None,
@@ -202,6 +203,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "decode_attention": ("model", "decode_attention"),
     "cache_dir": ("model", "cache_dir"),
     "tool_call_format": ("model", "tool_call_format"),
+    "tool_call_parser": ("model", "tool_call_format"),  # vLLM's name for it
     "reasoning_parser": ("model", "reasoning_parser"),
     "quantization": ("model", "quantization"),
     "compile": ("model", "compile"),
@@ -275,6 +277,8 @@ class EngineConfig(_Strict):
     def with_options(self, **options: Any) -> EngineConfig:
         """A copy with flat options applied on top."""
         data = self.model_dump()
+        if {"tool_call_format", "tool_call_parser"} <= options.keys():
+            raise ValueError("tool_call_parser is tool_call_format's other name: give one")
         for key, value in options.items():
             if key not in FLAT_OPTIONS:
                 raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(FLAT_OPTIONS))}")

@@ -18,10 +18,12 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 from serve_app.engine.io import StructuredOutput, ToolCallGrammar
 
 NAME = r'"(?P<name>(?:[^"\\]|\\.)*)"'  # a JSON string, its body captured as `name`
+TOOL_NAME = r"(?P<name>[A-Za-z0-9_-]{1,64})"  # a tool's name as both APIs allow it, written bare
 # A header or closer that has not matched within this many characters never will: what follows is not a call.
 _MOST_HEADER = 512
 _MOST_CLOSER = 64
@@ -303,10 +305,16 @@ class TemplateReader(_CallReader):
     group `name`), its arguments' JSON value, `closer`; text may follow a call."""
 
     def __init__(
-        self, markers: tuple[str, ...], header: re.Pattern[str], arguments_key: re.Pattern[str], closer: re.Pattern[str]
+        self,
+        markers: tuple[str, ...],
+        header: re.Pattern[str],
+        arguments_key: re.Pattern[str],
+        closer: re.Pattern[str],
+        trailer: str | None = None,
     ) -> None:
         super().__init__("text")  # text, header, arguments, closer
-        self._markers = markers
+        self._markers = markers if trailer is None else (*markers, trailer)
+        self._trailer = trailer  # what closes a run of calls (DeepSeek's): neither text nor a call
         self._header = header
         self._arguments_key = arguments_key  # the header's last key: a marker without it may still become a call
         self._closer = closer
@@ -332,6 +340,9 @@ class TemplateReader(_CallReader):
             case "header":
                 if (header := self._header.match(buffer, at)) is not None:
                     return self._open_call(header)
+                if self._trailer is not None and buffer.startswith(self._trailer, at):
+                    self._state, self._at = "text", at + len(self._trailer)
+                    return True
                 window = buffer[at : at + _MOST_HEADER]
                 if not final and len(window) < _MOST_HEADER and self._arguments_key.search(window) is None:
                     return False  # may still become a call
@@ -367,6 +378,109 @@ class TemplateReader(_CallReader):
         return min(found, default=None)
 
 
+class XmlCallReader(AnswerReader):
+    """Qwen3-Coder's format: text, then calls written as `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE
+    \\n</parameter>...</function>\\n</tool_call>`. A call is read once its `</tool_call>` is written; each value is
+    typed by its tool's schema (a string as written, a number, boolean, array or object as JSON)."""
+
+    _MARKER = "<tool_call>"
+    _END = "</tool_call>"
+    _CALL = re.compile(rf"<tool_call>\s*<function={TOOL_NAME}>(?P<body>.*)</function>\s*</tool_call>", re.S)
+    _PARAMETER = re.compile(r"<parameter=(?P<key>[^>\n]{1,256})>\n?(?P<value>.*?)\n?</parameter>", re.S)
+    _CALL_START = re.compile(r"<tool_call>\s*<function=")
+
+    def __init__(self, parameters: dict[str, dict[str, Any]]) -> None:
+        super().__init__()
+        self._parameters = parameters  # each tool's parameters schema, for its values' types
+        self._in_call = False
+        self._searched = 0  # where the open call's `</tool_call>` has been looked for up to
+        self._after_call = False
+
+    @property
+    def constrained(self) -> bool:
+        return self._in_call
+
+    def _json_scanner(self) -> JsonScanner | None:
+        return None  # values are written as they are, not as JSON strings
+
+    def _read(self, final: bool) -> None:
+        buffer = self._buffer
+        while self._at < len(buffer):
+            if not self._in_call:
+                start = buffer.find(self._MARKER, self._at)
+                if start < 0:
+                    end = len(buffer) - _held_back(buffer, self._at, (self._MARKER,))
+                    self._add_text(buffer[self._at : end])
+                    self._at = end
+                    return
+                self._add_text(buffer[self._at : start])
+                self._in_call, self._at, self._searched = True, start, start
+                continue
+            end = buffer.find(self._END, max(self._searched, self._at))
+            if end < 0:
+                self._searched = max(self._at, len(buffer) - len(self._END) + 1)
+                if final or not self._may_be_a_call(buffer[self._at : self._at + _MOST_HEADER]):
+                    self._not_a_call()
+                    continue
+                return
+            call = self._CALL.match(buffer, self._at, end + len(self._END))
+            if call is None:
+                self._not_a_call()
+                continue
+            self._in_call, self._at = False, call.end()
+            self._after_call = True
+            arguments = self._arguments(call.group("name"), call.group("body"))
+            self._call(call.group("name"), json.dumps(arguments, ensure_ascii=False))
+            if self.repeated:
+                return
+
+    def _may_be_a_call(self, opening: str) -> bool:
+        """Whether what follows a marker starts a call, or may still (it is a start of `<function=`)."""
+        if self._CALL_START.match(opening):
+            return True
+        rest = opening[len(self._MARKER) :].lstrip()
+        return len(opening) < _MOST_HEADER and "<function=".startswith(rest)
+
+    def _not_a_call(self) -> None:
+        """The marker at `_at` starts no call: it is text."""
+        self._add_text(self._buffer[self._at])
+        self._in_call, self._at = False, self._at + 1
+
+    def _arguments(self, name: str, body: str) -> dict[str, Any]:
+        properties = self._parameters.get(name, {}).get("properties", {})
+        return {
+            match.group("key"): _typed(match.group("value"), properties.get(match.group("key"), {}))
+            for match in self._PARAMETER.finditer(body)
+        }
+
+    def _flush(self) -> None:
+        if not self._in_call:
+            self._add_text(self._buffer[self._at :])
+        self._at = len(self._buffer)
+
+    def _add_text(self, text: str) -> None:
+        if self._after_call:
+            text = text.lstrip(" \n")
+            if not text:
+                return
+            self._after_call = False
+        self._text(text)
+
+
+def _typed(value: str, schema: dict[str, Any]) -> Any:
+    """A Qwen XML parameter's value as its schema types it: a string as written, anything else read as JSON (a
+    boolean case-blind), a string where it is not JSON."""
+    kind = schema.get("type")
+    if kind == "string":
+        return value
+    if kind == "boolean" and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
 class JsonAnswerReader(AnswerReader):
     """An answer that is one JSON value (a `json` or `json_object` constraint): no calls, all constrained."""
 
@@ -399,13 +513,31 @@ _LLAMA3_JSON = (
     re.compile(r'"parameters"\s*:'),
     re.compile(r"\s*\}\s*;?"),
 )
+# Mistral's: `[TOOL_CALLS]name[ARGS]{...}` per call (the history's `[CALL_ID]` read where a model writes one).
+_MISTRAL = (
+    ("[TOOL_CALLS]",),
+    re.compile(rf"\[TOOL_CALLS\]{TOOL_NAME}(?:\[CALL_ID\][A-Za-z0-9]{{9}})?\[ARGS\]"),
+    re.compile(r"\[ARGS\]"),
+    re.compile(r""),  # the arguments end the call
+)
+# DeepSeek-V3.1's: `<｜tool▁calls▁begin｜>` then `<｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` per call.
+_DEEPSEEK_V31 = (
+    ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"),
+    re.compile(rf"(?:<｜tool▁calls▁begin｜>\s*)?<｜tool▁call▁begin｜>{TOOL_NAME}<｜tool▁sep｜>"),
+    re.compile(r"<｜tool▁sep｜>"),
+    re.compile(r"\s*<｜tool▁call▁end｜>"),
+    "<｜tool▁calls▁end｜>",
+)
+_TEMPLATE_FORMATS = {"hermes": _HERMES, "llama3_json": _LLAMA3_JSON, "mistral": _MISTRAL, "deepseek_v31": _DEEPSEEK_V31}
 
 
 def tool_reader(spec: ToolCallGrammar) -> AnswerReader:
     """A reader of answers in `spec`'s format."""
     if spec.format == "generic":
         return GenericReader(json_answer=spec.answer_schema is not None)
-    return TemplateReader(*(_HERMES if spec.format == "hermes" else _LLAMA3_JSON))
+    if spec.format == "qwen3_coder":
+        return XmlCallReader({tool.name: tool.parameters for tool in spec.tools})
+    return TemplateReader(*_TEMPLATE_FORMATS[spec.format])
 
 
 def reader_for(spec: StructuredOutput) -> AnswerReader | None:

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
     from serve_app.engine.io import GenerateRequest
 
-# Our tool-call formats as xgrammar's structural-tag builders name them.
-_XGRAMMAR_MODEL = {"hermes": "qwen_3", "llama3_json": "llama"}
+# Our tool-call formats as xgrammar's structural-tag builders name them (Mistral's is built here).
+_XGRAMMAR_MODEL = {"hermes": "qwen_3", "llama3_json": "llama", "qwen3_coder": "qwen_3_coder", "deepseek_v31": "deepseek_v3_1"}
 # Calls in one generic-format answer at most (a small model otherwise repeats a call until `max_tokens`).
 MAX_PARALLEL_CALLS = 4
 
@@ -159,6 +159,9 @@ class GrammarCompiler:
                 raise InvalidRequestError(name, "applies to a JSON answer: give it with a JSON schema, json_object or tools")
         if request.max_string_tokens is not None and self.quote_token is None:
             raise InvalidRequestError("max_string_tokens", "this tokenizer has no single token that closes a string")
+        if request.max_string_tokens is not None and spec is not None and spec.tool_calls is not None:
+            if spec.tool_calls.format == "qwen3_coder":
+                raise InvalidRequestError("max_string_tokens", "this model's calls (qwen3_coder) write values as XML, not JSON strings")
         # A plain JSON answer with neither limit has nothing to guard: no reading per token then.
         if spec is None or (spec.tool_calls is None and not any(v is not None for v in limits.values())):
             return None
@@ -247,16 +250,43 @@ def _structural_tag(spec: ToolCallGrammar | None) -> xgrammar.StructuralTag:
         choice = {"type": "function", "function": {"name": spec.tools[0].name}}
     if spec.answer_schema is not None:
         choice = "required"
-    tag = xgrammar.get_model_structural_tag(
-        _XGRAMMAR_MODEL[spec.format],
-        tools=tools,
-        tool_choice=choice,
-        reasoning="disabled",
-        exclude_special_tokens=False,
-        max_whitespace_cnt=1,
-        parallel_tool_calls=spec.parallel,
-    )
+    if spec.format == "mistral":
+        tag = _mistral_tag(spec, choice)
+    else:
+        tag = xgrammar.get_model_structural_tag(
+            _XGRAMMAR_MODEL[spec.format],
+            tools=tools,
+            tool_choice=choice,
+            reasoning="disabled",
+            exclude_special_tokens=False,
+            max_whitespace_cnt=1,
+            parallel_tool_calls=spec.parallel,
+        )
     if spec.answer_schema is None:
         return tag
     answer = JSONSchemaFormat(json_schema=spec.answer_schema, max_whitespace_cnt=1)
     return tag.model_copy(update={"format": OrFormat(elements=[answer, tag.format])})
+
+
+def _mistral_tag(spec: ToolCallGrammar, choice: str | dict) -> xgrammar.StructuralTag:
+    """Mistral's calls (`[TOOL_CALLS]name[ARGS]{...}`, one after another) as a structural tag: free text before
+    them where `auto` allows it, at least one call where `required` or a named tool asks."""
+    import xgrammar
+    from xgrammar.structural_tag import JSONSchemaFormat, TagFormat, TriggeredTagsFormat
+
+    trigger = "[TOOL_CALLS]"
+    tags = [
+        TagFormat(
+            begin=f"{trigger}{tool.name}[ARGS]",
+            content=JSONSchemaFormat(json_schema=tool.parameters, max_whitespace_cnt=1),
+            end="",
+        )
+        for tool in spec.tools
+    ]
+    if isinstance(choice, dict):  # a named tool: that call, once
+        return xgrammar.StructuralTag(format=tags[0])
+    calls = TriggeredTagsFormat(
+        triggers=[trigger], tags=tags, at_least_one=choice == "required", stop_after_first=not spec.parallel
+    )
+    return xgrammar.StructuralTag(format=calls)
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,15 +15,26 @@ if TYPE_CHECKING:
 
 ChatMessage = dict[str, Any]
 
+# DeepSeek-V3.1's call in its template: the tool's name right after the call's token (V3 and R1 write its type there).
+_DEEPSEEK_V31_CALL = re.compile(r"<｜tool▁call▁begin｜>'\s*\+\s*tool\['function'\]\['name'\]")
+
 # Fill-in-the-middle tokens (prefix, suffix, middle) by family: StarCoder and SantaCoder, then Qwen2.5-Coder and Qwen3.
 FIM_TOKENS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
 
 
 def template_tool_format(template: str) -> ToolFormat:
-    """The tool-call format a chat template speaks: `hermes` (`<tool_call>` tags: Qwen2.5, Qwen3, Hermes,
-    SmolLM3), `llama3_json` (Llama 3.1+), or `generic` for a template that ignores tools."""
+    """The tool-call format a chat template speaks: `mistral` (`[TOOL_CALLS]name[ARGS]`: Mistral Small 3.2,
+    Devstral, Magistral), `qwen3_coder` (Qwen3-Coder's XML), `deepseek_v31` (DeepSeek-V3.1, whose template takes
+    no `tools`: the format describes them), `hermes` (`<tool_call>` tags: Qwen2.5, Qwen3, Hermes, SmolLM3),
+    `llama3_json` (Llama 3.1+), or `generic` for a template that ignores tools."""
+    if _DEEPSEEK_V31_CALL.search(template):
+        return "deepseek_v31"
     if "tools" not in template:
         return "generic"
+    if "[TOOL_CALLS]" in template and "[ARGS]" in template:
+        return "mistral"
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
     if "<tool_call>" in template:
         return "hermes"
     if "ipython" in template and '"parameters"' in template:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from serve_app.config import ToolFormat
 from serve_app.http.tools.generic import GenericFormat
-from serve_app.http.tools.native import HermesFormat, Llama3JsonFormat
+from serve_app.http.tools.native import DeepSeekV31Format, HermesFormat, Llama3JsonFormat, MistralFormat, Qwen3CoderFormat
 from serve_app.http.tools.plan import ToolCallFormat
 
 _FORMATS: dict[ToolFormat, ToolCallFormat] = {
     "generic": GenericFormat(),
     "hermes": HermesFormat(),
     "llama3_json": Llama3JsonFormat(),
+    "mistral": MistralFormat(),
+    "qwen3_coder": Qwen3CoderFormat(),
+    "deepseek_v31": DeepSeekV31Format(),
 }
 
 
