@@ -81,6 +81,18 @@ def _on_a_thread_of_its_own(build: Callable[[], T]) -> T:
     return outcome[0]
 
 
+# Tool-call formats whose markers are their models' special tokens (Mistral's [TOOL_CALLS], DeepSeek's
+# <｜tool▁call▁begin｜>): their answers keep special tokens in their text, or the calls could not be read (as vLLM does).
+_MARKED_BY_SPECIAL_TOKENS = frozenset({"mistral", "deepseek_v31"})
+
+
+def _skips_special_tokens(request: GenerateRequest) -> bool:
+    """Whether the request's text leaves special tokens out: as it asks, unless its tool calls are marked by them."""
+    spec = request.structured_output
+    marked = spec is not None and spec.tool_calls is not None and spec.tool_calls.format in _MARKED_BY_SPECIAL_TOKENS
+    return request.skip_special_tokens and not marked
+
+
 class InferenceEngine(Conveniences):
     """Loads a model and serves generation requests from a continuous-batching scheduler thread.
 
@@ -232,7 +244,7 @@ class InferenceEngine(Conveniences):
             stop_token_ids=frozenset(stop_ids),
             cache_salt=encoded.prefix_salt,
             out=out,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, request.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, _skips_special_tokens(request)),
             stop_strings=StopStringMatcher(request.stop, request.include_stop_str_in_output),
             generator=generator,
             min_tokens=request.min_tokens,

@@ -1,7 +1,8 @@
 """Tool calls in Mistral's, Qwen3-Coder's and DeepSeek-V3.1's own formats, each with its family's real chat template
 (llama.cpp's copies, `tests.model_families`): the format is read off the template or named by `tool_call_parser`,
 both APIs' histories render through the template in its syntax, and calls a tiny random model is made to write by
-the format's grammar are read back, whole and streamed, with the official SDKs."""
+the format's grammar are read back, whole and streamed, with the official SDKs. The tiny models' tokenizer has each
+family's markers as tokens of their own, special where the family's are (Mistral's, DeepSeek's)."""
 
 from __future__ import annotations
 
@@ -50,11 +51,32 @@ HISTORY = [
 ]
 
 
+# The markers each family's tokenizer has as tokens of their own (special: left out of text unless kept).
+MARKERS = {
+    "mistral": (["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"], True),
+    "qwen3_coder": (["<tool_call>", "</tool_call>"], False),
+    "deepseek_v31": (["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"], True),
+}
+
+
+def _tokenizer_with_markers(name: str, folder: Path, model_path: Path) -> Path:
+    """The embedded model's tokenizer with the family's markers as tokens, special where the family's are."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    markers, special = MARKERS[name]
+    tokenizer.add_tokens(markers, special_tokens=special)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[tuple[str, InProcessServer]]:
     name = request.param
+    tokenizer = _tokenizer_with_markers(name, tmp_path_factory.mktemp(f"{name}-tokenizer"), model_path)
     folder = build_tiny_model(
-        "qwen3", tmp_path_factory.mktemp(name), model_path, chat_template=template(TEMPLATES[name]), max_position_embeddings=4096
+        "qwen3", tmp_path_factory.mktemp(name), tokenizer, chat_template=template(TEMPLATES[name]),
+        max_position_embeddings=4096, vocab_size=49152 + len(MARKERS[name][0]),
     )
     engine = InferenceEngine(compile=False, model=str(folder), cache_tokens=4096, max_model_len=2048)
     assert engine.tool_format == name  # read off the family's template
