@@ -198,7 +198,7 @@ class ServeRun:
     ) -> None:
         config = yaml.safe_load((config_path or ROOT / "serve_config.yaml").read_text())
         self.port = free_port()
-        config["http_options"]["port"] = self.port
+        config.setdefault("http_options", {})["port"] = self.port
         if host is not None:
             config["http_options"]["host"] = host
         if proxy_location is not None:
@@ -207,20 +207,23 @@ class ServeRun:
         shipped = app["args"]["llm_configs"][0]
         if model is not None:  # the one model, served under its own name
             shipped = {**shipped, "model_loading_config": {"model_id": served_id(model), "model_source": model}}
-        app["args"]["llm_configs"] = [
-            {
-                **shipped,
-                **model,
-                **{
-                    key: {**shipped.get(key, {}), **(extra or {}), **model.get(key, {})}
-                    for key, extra in (("engine_kwargs", engine_kwargs), ("deployment_config", engine_deployment))
-                },
-            }
-            for model in models or [{}]
-        ]
-        self.model_id: str = app["args"]["llm_configs"][0]["model_loading_config"]["model_id"]
+        if model is not None or models is not None or engine_kwargs or engine_deployment:  # else the config's own
+            app["args"]["llm_configs"] = [
+                {
+                    **shipped,
+                    **model,
+                    **{
+                        key: {**shipped.get(key, {}), **(extra or {}), **model.get(key, {})}
+                        for key, extra in (("engine_kwargs", engine_kwargs), ("deployment_config", engine_deployment))
+                    },
+                }
+                for model in models or [{}]
+            ]
+        first = app["args"]["llm_configs"][0]  # an entry, or its YAML file's path
+        first = yaml.safe_load(Path(first).read_text()) if isinstance(first, str) else first
+        self.model_id: str = first["model_loading_config"]["model_id"]
         app["args"].update(args or {})
-        for deployment in app["deployments"]:
+        for deployment in app.get("deployments", []):
             deployment.update((deployments or {}).get(deployment["name"], {}))
         path = workdir / "serve_config.yaml"
         path.write_text(yaml.safe_dump(config))
