@@ -68,6 +68,14 @@ def tiny_qwen3_thinker_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="module")
+def thinker(tiny_qwen3_thinker_path: Path) -> Iterator[InferenceEngine]:
+    """An engine that reads the tiny Qwen3 model's thinking (`reasoning_parser: qwen3`)."""
+    engine = InferenceEngine(str(tiny_qwen3_thinker_path), compile=False, reasoning_parser="qwen3", cache_tokens=16384)
+    yield engine
+    engine.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
     return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=model_path)

@@ -107,6 +107,7 @@ class AnswerReader(ABC):
         self._at = 0
         self._parts: list[AnswerPart] = []
         self._calls: set[tuple[str, str]] = set()
+        self._after_call = False  # a call was just read: the text after it starts without separators
 
     def feed(self, text: str) -> list[AnswerPart]:
         if self.repeated or not text:
@@ -154,6 +155,10 @@ class AnswerReader(ABC):
         """At the end of a whole answer: settle what was held back."""
 
     def _text(self, text: str) -> None:
+        """Text of the answer (what follows a call goes without its leading separators)."""
+        if self._after_call:
+            text = text.lstrip(" \n;")
+            self._after_call = not text
         if text:
             if self._parts and isinstance(self._parts[-1], TextPart):
                 self._parts[-1] = TextPart(self._parts[-1].text + text)
@@ -318,7 +323,6 @@ class TemplateReader(_CallReader):
         self._header = header
         self._arguments_key = arguments_key  # the header's last key: a marker without it may still become a call
         self._closer = closer
-        self._after_call = False  # text right after a call goes without its leading separators
 
     @property
     def constrained(self) -> bool:
@@ -331,10 +335,10 @@ class TemplateReader(_CallReader):
                 start = self._next_marker(buffer, at)
                 if start is None:
                     end = len(buffer) - _held_back(buffer, at, self._markers)
-                    self._add_text(buffer[at:end])
+                    self._text(buffer[at:end])
                     self._at = end
                     return False
-                self._add_text(buffer[at:start])
+                self._text(buffer[at:start])
                 self._state, self._at = "header", start
                 return True
             case "header":
@@ -346,7 +350,7 @@ class TemplateReader(_CallReader):
                 window = buffer[at : at + _MOST_HEADER]
                 if not final and len(window) < _MOST_HEADER and self._arguments_key.search(window) is None:
                     return False  # may still become a call
-                self._add_text(buffer[at])  # the marker starts no call: it is text
+                self._text(buffer[at])  # the marker starts no call: it is text
                 self._state, self._at = "text", at + 1
                 return True
             case "arguments":
@@ -362,16 +366,8 @@ class TemplateReader(_CallReader):
 
     def _flush(self) -> None:
         if self._state == "text":
-            self._add_text(self._buffer[self._at :])
+            self._text(self._buffer[self._at :])
         self._at = len(self._buffer)
-
-    def _add_text(self, text: str) -> None:
-        if self._after_call:
-            text = text.lstrip(" \n;")
-            if not text:
-                return
-            self._after_call = False
-        self._text(text)
 
     def _next_marker(self, text: str, position: int) -> int | None:
         found = [i for i in (text.find(m, position) for m in self._markers) if i >= 0]
@@ -394,7 +390,6 @@ class XmlCallReader(AnswerReader):
         self._parameters = parameters  # each tool's parameters schema, for its values' types
         self._in_call = False
         self._searched = 0  # where the open call's `</tool_call>` has been looked for up to
-        self._after_call = False
 
     @property
     def constrained(self) -> bool:
@@ -410,10 +405,10 @@ class XmlCallReader(AnswerReader):
                 start = buffer.find(self._MARKER, self._at)
                 if start < 0:
                     end = len(buffer) - _held_back(buffer, self._at, (self._MARKER,))
-                    self._add_text(buffer[self._at : end])
+                    self._text(buffer[self._at : end])
                     self._at = end
                     return
-                self._add_text(buffer[self._at : start])
+                self._text(buffer[self._at : start])
                 self._in_call, self._at, self._searched = True, start, start
                 continue
             end = buffer.find(self._END, max(self._searched, self._at))
@@ -443,7 +438,7 @@ class XmlCallReader(AnswerReader):
 
     def _not_a_call(self) -> None:
         """The marker at `_at` starts no call: it is text."""
-        self._add_text(self._buffer[self._at])
+        self._text(self._buffer[self._at])
         self._in_call, self._at = False, self._at + 1
 
     def _arguments(self, name: str, body: str) -> dict[str, Any]:
@@ -455,16 +450,8 @@ class XmlCallReader(AnswerReader):
 
     def _flush(self) -> None:
         if not self._in_call:
-            self._add_text(self._buffer[self._at :])
+            self._text(self._buffer[self._at :])
         self._at = len(self._buffer)
-
-    def _add_text(self, text: str) -> None:
-        if self._after_call:
-            text = text.lstrip(" \n")
-            if not text:
-                return
-            self._after_call = False
-        self._text(text)
 
 
 def _typed(value: str, schema: dict[str, Any]) -> Any:

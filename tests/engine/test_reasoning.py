@@ -19,13 +19,6 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 
 
 @pytest.fixture(scope="module")
-def thinker(tiny_qwen3_thinker_path: Path) -> Iterator[InferenceEngine]:
-    engine = InferenceEngine(str(tiny_qwen3_thinker_path), compile=False, reasoning_parser="qwen3", cache_tokens=8192)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
 def plain(tiny_qwen3_thinker_path: Path) -> Iterator[InferenceEngine]:
     """The same model without a reasoning parser: the tokens to compare with."""
     engine = InferenceEngine(str(tiny_qwen3_thinker_path), compile=False, cache_tokens=4096)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import httpx
@@ -23,13 +22,6 @@ CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
 BUDGET = 1024  # reasoning.effort low; Anthropic's least budget_tokens
 MAX_TOKENS = BUDGET + 12
 SHORT = 6  # chat's own budget
-
-
-@pytest.fixture(scope="module")
-def thinker(tiny_qwen3_thinker_path: Path) -> Iterator[InferenceEngine]:
-    engine = InferenceEngine(str(tiny_qwen3_thinker_path), compile=False, reasoning_parser="qwen3", cache_tokens=16384)
-    yield engine
-    engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ family's markers as tokens of their own, special where the family's are (Mistral
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,8 +128,7 @@ def test_both_apis_histories_render_in_the_formats_syntax(served: tuple[str, InP
 
 
 def _mistral_id(call_id: str) -> str:
-    import hashlib
-
+    """9 hex digits of the id's SHA-256: the 9 letters and digits Mistral's templates take."""
     return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
