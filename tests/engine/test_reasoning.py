@@ -1,5 +1,5 @@
 """A reasoning model's thinking, apart from its answer: Qwen3's real template and tokens on a tiny random model,
-with `reasoning_parser: qwen3`. The span's end is read by token id; a budget closes it; a grammar holds the answer
+with `reasoning_parser: qwen3` (and DeepSeek-R1's real template with `deepseek_r1`). The span's end is read by token id; a budget closes it; a grammar holds the answer
 only; `enable_thinking: false` (the template closes the span in the prompt) leaves all of the output to the answer."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import pytest
 from serve_app.engine.engine import InferenceEngine
 from serve_app.engine.io import GenerateRequest, StructuredOutput
 from serve_app.errors import InvalidRequestError
+from tests.model_families import qwen3_tokenizer, template
+from tests.tiny_models import build_tiny_model
 
 THINK, END_THINK = 151667, 151668
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -85,3 +87,23 @@ def test_allowed_token_ids_keep_the_span_closable(thinker: InferenceEngine) -> N
 def test_an_engine_without_a_parser_refuses_a_thinking_budget(plain: InferenceEngine) -> None:
     with pytest.raises(InvalidRequestError, match="thinking_token_budget"):
         plain.submit(GenerateRequest(messages=MESSAGES, thinking_token_budget=10))
+
+
+def test_deepseek_r1s_template_opens_the_span_in_the_prompt(tmp_path: Path) -> None:
+    """DeepSeek-R1's real template (its distilled Qwen's) writes `<think>\\n` into the prompt itself: the output starts
+    inside the span, which `deepseek_r1` reads the same way; `enable_thinking` unset, the template closes it there."""
+    folder = build_tiny_model(
+        "qwen3", tmp_path / "r1", tokenizer_from=qwen3_tokenizer(), chat_template=template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"),
+        vocab_size=151936, bos_token_id=None, eos_token_id=151645, pad_token_id=151643,
+    )
+    engine = InferenceEngine(str(folder), compile=False, reasoning_parser="deepseek_r1", cache_tokens=4096)
+    try:
+        thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+        assert engine.tokenizer.apply_chat_template(MESSAGES, template_kwargs=thinking["chat_template_kwargs"]).endswith("<think>\n")
+        result = run(engine, max_tokens=8, thinking_token_budget=3, **thinking)
+        assert result.token_ids[3] == END_THINK and result.reasoning == engine.tokenizer.decode(result.token_ids[:3])
+        assert result.text == engine.tokenizer.decode(result.token_ids[4:])
+        closed = run(engine, max_tokens=4)
+        assert closed.reasoning == "" and closed.text == engine.tokenizer.decode(closed.token_ids)
+    finally:
+        engine.shutdown()
