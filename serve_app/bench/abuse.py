@@ -106,6 +106,9 @@ SHAPES = [
     Shape("text_plain_body", "/v1/chat/completions", _chat, (415,), content_type="text/plain"),
     Shape("logit_bias_5000", "/v1/chat/completions", lambda m: _chat(m, logit_bias={str(i): 1 for i in range(5000)}), (400,)),
     Shape("tokenize_1mb", "/tokenize", lambda m: {"model": m, "prompt": "word " * 200_000}, (400,)),
+    Shape("embeddings_1000_inputs", "/v1/embeddings", lambda m: {"model": m, "input": ["word"] * 1000}, (400,)),
+    Shape("embeddings_128_long", "/v1/embeddings",  # the most inputs a request may have, each some 60 tokens
+          lambda m: {"model": m, "input": [f"{i} " + "a few words of text " * 12 for i in range(128)]}, (200,)),
     Shape("pinned_prefixes_distinct", "/v1/messages", lambda m: _pinned(m, next(_counter)), (200,), fresh=True),
     Shape("kv_lookup_as_user", "/v1/kv/lookup", lambda m: {"tokens": [1, 2, 3]}, (403,)),
 ]
