@@ -119,6 +119,13 @@ def test_messages_return_thinking_blocks_streamed_or_not(claude_thinker: anthrop
 def test_messages_without_thinking_do_not_think(claude_thinker: anthropic.Anthropic) -> None:
     message = claude_thinker.messages.create(model=MODEL, max_tokens=6, messages=CHAT, extra_body={"temperature": 0})
     assert [block.type for block in message.content] == ["text"] and message.content[0].text
+    # Counting renders the prompt as the message does, thinking or not (Qwen3's template differs by its empty span).
+    usage = message.usage
+    prompt = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    assert claude_thinker.messages.count_tokens(model=MODEL, messages=CHAT).input_tokens == prompt
+    enabled = {"type": "enabled", "budget_tokens": BUDGET}
+    thought = claude_thinker.messages.count_tokens(model=MODEL, messages=CHAT, thinking=enabled).input_tokens
+    assert thought == prompt - 4  # without `<think>\n\n</think>\n\n`
 
 
 def test_a_budget_must_be_below_max_tokens(thinking_server: InProcessServer) -> None:

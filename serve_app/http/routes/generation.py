@@ -74,7 +74,10 @@ async def count_tokens(request: Request) -> Response:
     tenant, body, engine, model = await context.model_call(request)
     req: CountTokensRequest = parse(CountTokensRequest, body, model, context.limits.unknown_fields)
     prompt = req.prompt(format_for(model.tool_format), req.tool_plan())
-    counted = GenerateRequest(messages=prompt.messages, tools=prompt.tools, max_tokens=None)
+    thinking = req.thinking_budget(model)  # the prompt as the message would render it, thinking or not
+    counted = GenerateRequest(
+        messages=prompt.messages, tools=prompt.tools, max_tokens=None, chat_template_kwargs=thinking.template_kwargs(None)
+    )
     context.limits.check_characters(counted, model)
     with context.slot(tenant):
         count = await engine.prompts.count(counted)

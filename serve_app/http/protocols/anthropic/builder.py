@@ -152,7 +152,7 @@ class MessagesBuilder(ResponseBuilder):
         req: MessagesRequest = parse(MessagesRequest, body, model, limits.unknown_fields)
         tools, tool_plan = format_for(model.tool_format), req.tool_plan()
         prompt = req.prompt(tools, tool_plan)
-        thinking = req.thinking_budget(model)
+        thinking = req.thinking_budget(model, req.output_config.effort if req.output_config is not None else None)
         request = GenerateRequest(
             messages=prompt.messages,
             tools=prompt.tools,

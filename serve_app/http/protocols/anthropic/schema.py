@@ -148,6 +148,23 @@ class ToolChoice(RequestModel):
         return self
 
 
+class ThinkingEnabled(RequestModel):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1024, description="thinking tokens at most: the span is closed there")
+
+
+class ThinkingDisabled(RequestModel):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(RequestModel):
+    type: Literal["adaptive"]
+
+
+# Anthropic's efforts as thinking budgets (max: up to the output's own limit).
+EFFORT_BUDGET: dict[str, int | None] = {"low": 1024, "medium": 4096, "high": None, "max": None}
+
+
 class CountTokensRequest(RequestModel):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -156,6 +173,23 @@ class CountTokensRequest(RequestModel):
     tool_choice: ToolChoice | None = None
     cache_control: CacheControl | None = Field(None, description="a breakpoint at the last cacheable block")
     speed: Literal["standard"] | None = Field(None, description="one speed here: standard")
+    thinking: ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | None = Field(
+        None, discriminator="type", description="extended thinking (a model with a reasoning_parser); unset: none"
+    )
+
+    def thinking_budget(self, model: ModelInfo, effort: str | None = None) -> Thinking:
+        """What `thinking` (and adaptive thinking's `effort`, `output_config.effort`) asks: no thinking unless it is
+        enabled."""
+        if effort is not None and not isinstance(self.thinking, ThinkingAdaptive):
+            raise invalid("output_config.effort: it sets adaptive thinking's effort (thinking: {type: adaptive})", "output_config.effort")
+        match self.thinking:
+            case ThinkingEnabled(budget_tokens=budget):
+                reasoning_model(model, "thinking")
+                return Thinking(budget)
+            case ThinkingAdaptive():
+                reasoning_model(model, "thinking")
+                return Thinking(EFFORT_BUDGET[effort or "high"])
+        return Thinking(0) if model.reasoning_parser is not None else Thinking()
 
     def tool_plan(self) -> ToolPlan | None:
         """How this request may call its tools, and which (Anthropic's `any` is `required`, `tool` a named one)."""
@@ -220,23 +254,6 @@ class OutputConfig(RequestModel):
     effort: Literal["low", "medium", "high", "max"] | None = Field(None, description="how long adaptive thinking runs")
 
 
-class ThinkingEnabled(RequestModel):
-    type: Literal["enabled"]
-    budget_tokens: int = Field(ge=1024, description="thinking tokens at most: the span is closed there")
-
-
-class ThinkingDisabled(RequestModel):
-    type: Literal["disabled"]
-
-
-class ThinkingAdaptive(RequestModel):
-    type: Literal["adaptive"]
-
-
-# Anthropic's efforts as thinking budgets (max: up to the output's own limit).
-EFFORT_BUDGET: dict[str, int | None] = {"low": 1024, "medium": 4096, "high": None, "max": None}
-
-
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
@@ -248,29 +265,12 @@ class MessagesRequest(CountTokensRequest):
     service_tier: Literal["auto", "standard_only"] | None = Field(None, description="there is one tier: both mean it")
     output_config: OutputConfig | None = None
     max_string_tokens: int | None = Field(None, ge=1)
-    thinking: ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | None = Field(
-        None, discriminator="type", description="extended thinking (a model with a reasoning_parser); unset: none"
-    )
 
     @model_validator(mode="after")
     def _budget_within_max_tokens(self) -> MessagesRequest:
         if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens >= self.max_tokens:
             raise ValueError("thinking.budget_tokens: it must be less than max_tokens")
         return self
-
-    def thinking_budget(self, model: ModelInfo) -> Thinking:
-        """What `thinking` (and adaptive thinking's `output_config.effort`) asks: no thinking unless it is enabled."""
-        effort = self.output_config.effort if self.output_config is not None else None
-        if effort is not None and not isinstance(self.thinking, ThinkingAdaptive):
-            raise invalid("output_config.effort: it sets adaptive thinking's effort (thinking: {type: adaptive})", "output_config.effort")
-        match self.thinking:
-            case ThinkingEnabled(budget_tokens=budget):
-                reasoning_model(model, "thinking")
-                return Thinking(budget)
-            case ThinkingAdaptive():
-                reasoning_model(model, "thinking")
-                return Thinking(EFFORT_BUDGET[effort or "high"])
-        return Thinking(0) if model.reasoning_parser is not None else Thinking()
 
     def output_constraint(self, tools: ToolCallFormat, tool_plan: ToolPlan | None) -> StructuredOutput | None:
         """The grammar of the answer: the tool-call format's (`output_config.format` holding an answer
