@@ -86,7 +86,7 @@ def test_the_abuse_benchmark_meets_its_answers_and_the_victim_loses_nothing(open
     """`serve-app bench abuse` in small: every attacker request gets its expected answer within 5 s and the victim's
     streams all finish (its latency against its baseline is the benchmark's to report, not a test's)."""
     names = {"enum_2000_schema", "enum_450_schema_distinct", "completions_500_prompts_n16", "token_id_2_63",
-             "message_1mb", "embeddings_128_long"}
+             "message_1mb", "embeddings_1000_inputs"}
     rows = run_abuse(open_app.url, open_app.model_id, (None, None), [s for s in SHAPES if s.name in names],
                      seconds=2.0, victims=1, attackers=2, rate=4.0, period_s=0.5, max_tokens=8)
     assert [row["shape"] for row in rows] == ["baseline", *[s.name for s in SHAPES if s.name in names]]
