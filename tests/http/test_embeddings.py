@@ -72,6 +72,7 @@ def test_an_embedding_beside_a_generation_changes_neither(oai: openai.OpenAI) ->
     [
         ({"input": "Hi", "dimensions": 64}, "dimensions", "cannot be shortened"),
         ({"input": []}, "input", "must not be empty"),
+        ({"input": ["word"] * 1000}, "input", "over max_choices"),
         ({"input": [""]}, "input", "must not be empty"),
         ({"input": [10**9]}, "input", "outside the vocabulary"),
         ({"input": "Hi", "encoding_format": "int8"}, "encoding_format", ""),

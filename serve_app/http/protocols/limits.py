@@ -46,14 +46,15 @@ class RequestLimits:
             unknown_fields=config.unknown_fields,
         )
 
-    def check_choices(self, n: int, prompts: int = 1) -> None:
-        """Before a builder makes a request per choice: `n` within `max_n`, and prompts x `n` within `max_choices`."""
+    def check_choices(self, n: int, prompts: int = 1, prompt_param: str = "prompt") -> None:
+        """Before a builder makes a request per choice: `n` within `max_n`, and prompts x `n` within `max_choices` (the
+        prompts named as the API calls them: `prompt_param`)."""
         if n > self.max_n:
             raise invalid(f"n: {n} choices are over max_n={self.max_n}", "n")
         if prompts * n > self.max_choices:
             raise invalid(
-                f"prompt: {prompts} prompts x n={n} make {prompts * n} choices, over max_choices={self.max_choices}",
-                "prompt",
+                f"{prompt_param}: {prompts} prompts x n={n} make {prompts * n} choices, over max_choices={self.max_choices}",
+                prompt_param,
             )
 
     def prompt_characters(self, model: ModelInfo) -> int:
@@ -74,7 +75,7 @@ class RequestLimits:
         """Check `prepared` against the limits (each error naming the field as the protocol calls it); a
         request without `max_tokens` gets `max_output_tokens`, and a JSON or tool-call answer's constrained
         part `max_constrained_tokens` (its requests are replaced so)."""
-        self.check_choices(prepared.choices_per_prompt, len(prepared.requests) // prepared.choices_per_prompt)
+        self.check_choices(prepared.choices_per_prompt, len(prepared.requests) // prepared.choices_per_prompt, prompt_param)
         first = prepared.requests[0]
         if len(first.stop) > self.max_stop_sequences:
             raise invalid(

@@ -46,7 +46,9 @@ class EmbeddingsBuilder(ResponseBuilder):
             raise invalid(
                 f"dimensions: this model's embeddings have {model.hidden_size} and cannot be shortened", "dimensions"
             )
-        requests = [GenerateRequest(prompt=prompt, embed=True, max_tokens=1, lora=lora) for prompt in prompt_list(req.input, "input")]
+        prompts = prompt_list(req.input, "input")
+        limits.check_choices(1, len(prompts), "input")  # before a request is made for each
+        requests = [GenerateRequest(prompt=prompt, embed=True, max_tokens=1, lora=lora) for prompt in prompts]
         prepared = PreparedRequest(requests=requests, stream=False, model=req.model, end_user=req.user)
         return EmbeddingsFormatter(prepared, req.encoding_format)
 
