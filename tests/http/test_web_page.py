@@ -21,23 +21,33 @@ pytestmark = needs_chromium
 
 
 def _requests_in_live_view(browser) -> int | None:
-    from selenium.webdriver.common.by import By
+    """The in-process replica's request count in the live view, read in one script call: the table is re-rendered
+    every few seconds, so an element found by one WebDriver call may be gone by the next."""
+    cells = browser.execute_script(
+        "for (const row of document.querySelectorAll('#replicas tbody tr')) {"
+        "  const cells = [...row.querySelectorAll('td')].map(td => td.innerText.trim());"
+        "  if (cells.length && cells[0] === 'in-process') return cells;"
+        "} return null;"
+    )
+    return int(cells[-1]) if cells else None
 
-    for row in browser.find_elements(By.CSS_SELECTOR, "#replicas tbody tr"):
-        cells = [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
-        if cells and cells[0] == "in-process":
-            return int(cells[-1])
-    return None
+
+def _waiting(browser, seconds: float):
+    """A wait that polls again when the element it read was re-rendered under it."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(browser, seconds, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
 
 
 def test_a_message_streams_back_and_the_live_view_counts_it(server: InProcessServer, browser) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
     page = httpx.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     browser.get(f"{server.url}/")
-    wait = WebDriverWait(browser, 120, poll_frequency=0.2)
+    wait = _waiting(browser, 120)
     wait.until(lambda b: MODEL in [o.text for o in Select(b.find_element(By.ID, "model")).options])
     wait.until(lambda b: _requests_in_live_view(b) is not None)
     before = _requests_in_live_view(browser)
@@ -61,10 +71,10 @@ def test_a_message_streams_back_and_the_live_view_counts_it(server: InProcessSer
 
 def test_the_json_schema_and_tool_modes_answer_in_their_form(server: InProcessServer, browser) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
     browser.get(f"{server.url}/")
-    wait = WebDriverWait(browser, 120, poll_frequency=0.2)
+    wait = _waiting(browser, 120)
     wait.until(lambda b: MODEL in [o.text for o in Select(b.find_element(By.ID, "model")).options])
     for field, value in (("temperature", "0"), ("max-tokens", "100")):
         element = browser.find_element(By.ID, field)
@@ -95,10 +105,10 @@ def keyed(engine: InferenceEngine, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_with_api_keys_the_page_asks_for_one_and_keeps_it_in_the_page(keyed: InProcessServer, browser) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
     browser.get(f"{keyed.url}/")
-    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    wait = _waiting(browser, 60)
     wait.until(lambda b: "401" in b.find_element(By.ID, "live-error").text)
     assert Select(browser.find_element(By.ID, "model")).options == []
     key = browser.find_element(By.ID, "api-key")
