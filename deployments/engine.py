@@ -54,7 +54,7 @@ class EngineDeployment:
         self.info = ModelInfo(
             llm_config.model_id, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size, engine.hidden_size,
             config.grammar,
-            model.reasoning_parser,
+            engine.reasoning_parser,
         )
         self._page_size = config.cache.page_size
         self._board = board

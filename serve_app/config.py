@@ -21,11 +21,12 @@ def default_cache_dir() -> Path:
 
 
 # How tools reach a model (`serve_app.model.tokenizer.template_tool_format` reads it off a chat template).
-ToolFormat = Literal["generic", "hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v31"]
+ToolFormat = Literal["generic", "hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v31", "openai"]
 # A model's weights: `serve_app.model.quant.quantization` applies it.
 Quantization = Literal["none", "int8", "fp8"]
-# How a reasoning model's thinking is told from its answer (`serve_app.engine.reasoning` has each).
-ReasoningParser = Literal["qwen3", "deepseek_r1"]
+# How a reasoning model's thinking is told from its answer (`serve_app.engine.reasoning` has each; gpt-oss's
+# channels, `openai_gptoss`, are `serve_app.engine.harmony`'s).
+ReasoningParser = Literal["qwen3", "deepseek_r1", "openai_gptoss"]
 
 
 class _Strict(BaseModel):
@@ -53,12 +54,14 @@ class ModelConfig(_Strict):
         "auto",
         description="how tools reach the model (vLLM's tool_call_parser): auto reads the chat template (hermes for "
         "<tool_call> templates, llama3_json for Llama 3.1+, mistral for [TOOL_CALLS]name[ARGS], qwen3_coder for "
-        "Qwen3-Coder's XML, deepseek_v31 for DeepSeek-V3.1's, generic for templates that ignore tools)",
+        "Qwen3-Coder's XML, deepseek_v31 for DeepSeek-V3.1's, openai for gpt-oss's harmony channels, generic for "
+        "templates that ignore tools)",
     )
     reasoning_parser: ReasoningParser | None = Field(
         None,
-        description="vLLM's name: the model thinks in <think>...</think> before it answers (qwen3, deepseek_r1); the "
-        "thinking is returned apart from the answer, and grammars and tools apply to the answer only",
+        description="vLLM's name: the model thinks in <think>...</think> before it answers (qwen3, deepseek_r1), or in "
+        "gpt-oss's analysis channel (openai_gptoss: the default of a harmony template); the thinking is returned "
+        "apart from the answer, and grammars and tools apply to the answer only",
     )
     compile: bool = Field(
         True,

@@ -16,9 +16,10 @@ from serve_app.bench.idle import wait_idle
 from serve_app.bench.servers import ServeRun
 from serve_app.config import DEFAULT_MODEL, default_cache_dir
 from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.harmony import MARKERS as HARMONY_MARKERS
 from serve_app.model.loader import resolve_model_path
 from tests.browser import open_browser
-from tests.model_families import qwen3_tokenizer
+from tests.model_families import qwen3_tokenizer, template
 from tests.inprocess import (
     InProcessServer,
     anthropic_client,
@@ -27,7 +28,7 @@ from tests.inprocess import (
 )
 from tests.references import ReferenceModel
 from tests.served import FOLLOWER_IDLE_S, router_config
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import build_tiny_model, tokenizer_with_tokens
 
 # Every engine and server a test starts runs on the CPU, float32, whatever the host has: the oracle
 # compares with transformers on the CPU (`make gpu-check` runs it on CUDA).
@@ -65,6 +66,19 @@ def tiny_qwen3_thinker_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(
         "qwen3", tmp_path_factory.mktemp("tiny-qwen3-thinker"), tokenizer_from=qwen3_tokenizer(),
         vocab_size=151936, bos_token_id=None, eos_token_id=151645, pad_token_id=151643, max_position_embeddings=4096,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_harmony_path(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
+    """A tiny random model with gpt-oss's real chat template, its harmony markers as special tokens of the embedded
+    model's tokenizer, and its end ids (`<|return|>`, `<|call|>`)."""
+    tokenizer = tokenizer_with_tokens(model_path, tmp_path_factory.mktemp("harmony-tokenizer"), list(HARMONY_MARKERS), True)
+    first = 49152  # the markers' ids follow the embedded vocabulary, in `HARMONY_MARKERS`' order
+    ends = [first + HARMONY_MARKERS.index(m) for m in ("<|call|>", "<|return|>")]
+    return build_tiny_model(
+        "qwen3", tmp_path_factory.mktemp("tiny-harmony"), tokenizer, chat_template=template("openai-gpt-oss-120b"),
+        vocab_size=first + len(HARMONY_MARKERS), eos_token_id=[2, *ends], max_position_embeddings=4096,
     )
 
 

@@ -44,3 +44,14 @@ def build_tiny_model(
     if chat_template is not None:
         shutil.copy(chat_template, folder / "chat_template.jinja")
     return folder
+
+
+def tokenizer_with_tokens(model_path: Path, folder: Path, tokens: list[str], special: bool) -> Path:
+    """The embedded model's tokenizer with `tokens` added after its vocabulary (special ones are left out of text
+    unless kept), saved in `folder`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.add_tokens(tokens, special_tokens=special)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -211,6 +211,12 @@ class _CallReader(AnswerReader):
     def _step(self, final: bool) -> bool:
         """Read one thing; False when the buffer holds nothing more to settle now."""
 
+    def _flush(self) -> None:
+        """What a whole answer still holds is text, where it is in text."""
+        if self._state == "text":
+            self._text(self._buffer[self._at :])
+        self._at = len(self._buffer)
+
     def _open_call(self, header: re.Match[str]) -> bool:
         """A call's header is read (its tool's name in group `name`): its arguments come next."""
         self._arguments = _Arguments(json.loads(f'"{header.group("name")}"', strict=False))
@@ -364,14 +370,62 @@ class TemplateReader(_CallReader):
                 self._at = closer.end() if closer is not None else at
                 return True
 
-    def _flush(self) -> None:
-        if self._state == "text":
-            self._text(self._buffer[self._at :])
-        self._at = len(self._buffer)
-
     def _next_marker(self, text: str, position: int) -> int | None:
         found = [i for i in (text.find(m, position) for m in self._markers) if i >= 0]
         return min(found, default=None)
+
+
+class HarmonyReader(_CallReader):
+    """gpt-oss's harmony messages, headers kept (a tool-mode answer's text, `serve_app.engine.harmony`): a message to
+    `functions.NAME` is a call, its body the arguments; a final or commentary message's body is text; an analysis
+    message's body (the reasoning, sent apart) is neither. A call's `<|call|>` ends the output."""
+
+    _MESSAGE = "<|message|>"
+    _END = "<|end|>"
+    _RECIPIENT = re.compile(rf"to=functions\.{TOOL_NAME}")
+    _CHANNEL = re.compile(r"<\|channel\|>\s*(?P<channel>\w+)")
+
+    def __init__(self) -> None:
+        super().__init__("header")  # header, text, analysis, arguments, closer, done
+
+    @property
+    def constrained(self) -> bool:
+        return self._state != "text"
+
+    def _step(self, final: bool) -> bool:
+        buffer, at = self._buffer, self._at
+        match self._state:
+            case "header":
+                end = buffer.find(self._MESSAGE, at)
+                if end < 0:
+                    if final or len(buffer) - at > _MOST_HEADER:  # no message follows
+                        self._state, self._at = "done", len(buffer)
+                    return False
+                header, self._at = buffer[at:end], end + len(self._MESSAGE)
+                if (recipient := self._RECIPIENT.search(header)) is not None:
+                    self._arguments, self._state = _Arguments(recipient.group("name")), "arguments"
+                    return True
+                channel = self._CHANNEL.search(header)
+                self._state = "analysis" if channel is not None and channel.group("channel") == "analysis" else "text"
+                return True
+            case "text" | "analysis":
+                end = buffer.find(self._END, at)
+                settled = end if end >= 0 else len(buffer) - _held_back(buffer, at, (self._END,))
+                if self._state == "text":
+                    self._text(buffer[at:settled])
+                if end < 0:
+                    self._at = settled
+                    return False
+                self._state, self._at = "header", end + len(self._END)
+                return True
+            case "arguments":
+                return self._read_arguments()
+            case "closer":  # what follows a call is the next message's header
+                self._state, self._after_call = "header", True
+                return True
+            case _:
+                self._at = len(buffer)
+                return False
 
 
 class XmlCallReader(AnswerReader):
@@ -524,6 +578,8 @@ def tool_reader(spec: ToolCallGrammar) -> AnswerReader:
         return GenericReader(json_answer=spec.answer_schema is not None)
     if spec.format == "qwen3_coder":
         return XmlCallReader({tool.name: tool.parameters for tool in spec.tools})
+    if spec.format == "openai":
+        return HarmonyReader()
     return TemplateReader(*_TEMPLATE_FORMATS[spec.format])
 
 

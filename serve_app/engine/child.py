@@ -88,7 +88,10 @@ class EngineChild:
         """Handle messages until `Shutdown`, the host's end closing, or the scheduler dying."""
         engine = self.engine
         self._send_stream(
-            Ready(engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size, engine.hidden_size, self._pushed.stats)
+            Ready(
+                engine.max_model_len, engine.created, engine.tool_format, engine.reasoning_parser, engine.vocab_size,
+                engine.hidden_size, self._pushed.stats,
+            )
         )
         threading.Thread(target=self._read_calls, name="engine-call-reader", daemon=True).start()
         next_health = time.monotonic() + HEALTH_EVERY_S

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from serve_app.config import EngineConfig, ToolFormat
+from serve_app.config import EngineConfig, ReasoningParser, ToolFormat
 from serve_app.engine.activity_log import ActivityLog, log_start
 from serve_app.engine.cached_kv import CachedKV
 from serve_app.engine.conveniences import Conveniences
@@ -30,8 +30,9 @@ from serve_app.engine.io import (
     StreamDelta,
     token_id_outside,
 )
+from serve_app.engine.harmony import HarmonyMarkers
 from serve_app.engine.loop import EngineLoop
-from serve_app.engine.reasoning import ThinkingSpan, ThinkingTags
+from serve_app.engine.reasoning import ReasoningMarkers, ThinkingReader, ThinkingTags
 from serve_app.engine.result import GenerateResult
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.speculation import Speculator
@@ -82,8 +83,9 @@ def _on_a_thread_of_its_own(build: Callable[[], T]) -> T:
 
 
 # Tool-call formats whose markers are their models' special tokens (Mistral's [TOOL_CALLS], DeepSeek's
-# <｜tool▁call▁begin｜>): their answers keep special tokens in their text, or the calls could not be read (as vLLM does).
-_MARKED_BY_SPECIAL_TOKENS = frozenset({"mistral", "deepseek_v31"})
+# <｜tool▁call▁begin｜>, gpt-oss's <|channel|>): their answers keep special tokens in their text, or the calls could
+# not be read (as vLLM does).
+_MARKED_BY_SPECIAL_TOKENS = frozenset({"mistral", "deepseek_v31", "openai"})
 
 
 def _skips_special_tokens(request: GenerateRequest) -> bool:
@@ -91,6 +93,24 @@ def _skips_special_tokens(request: GenerateRequest) -> bool:
     spec = request.structured_output
     marked = spec is not None and spec.tool_calls is not None and spec.tool_calls.format in _MARKED_BY_SPECIAL_TOKENS
     return request.skip_special_tokens and not marked
+
+
+def _reasoning_parser(asked: ReasoningParser | None, tool_format: ToolFormat) -> ReasoningParser | None:
+    """The engine's reasoning parser: the one asked for; a harmony model's channels (tool format `openai`) are read
+    unless another is asked, which such a model cannot have."""
+    if tool_format != "openai":
+        if asked == "openai_gptoss":
+            raise ValueError("reasoning_parser openai_gptoss reads gpt-oss's channels: its tool_call_format is openai")
+        return asked
+    if asked not in (None, "openai_gptoss"):
+        raise ValueError(f"reasoning_parser {asked}: a harmony model (tool_call_format openai) answers in channels")
+    return "openai_gptoss"
+
+
+def _reasoning_markers(parser: ReasoningParser | None, tokenizer: Tokenizer) -> ReasoningMarkers | None:
+    if parser is None:
+        return None
+    return HarmonyMarkers.of(tokenizer) if parser == "openai_gptoss" else ThinkingTags.of(parser, tokenizer)
 
 
 class InferenceEngine(Conveniences):
@@ -123,10 +143,11 @@ class InferenceEngine(Conveniences):
         self.hidden_size = self.runner.hidden_size
         chosen = self.config.model.tool_call_format
         self.tool_format: ToolFormat = self.tokenizer.tool_format if chosen == "auto" else chosen
-        parser = self.config.model.reasoning_parser
-        self.thinking_tags = ThinkingTags.of(parser, self.tokenizer) if parser is not None else None
+        self.reasoning_parser = _reasoning_parser(self.config.model.reasoning_parser, self.tool_format)
+        self.reasoning_markers = _reasoning_markers(self.reasoning_parser, self.tokenizer)
         self.grammars = GrammarCompiler(
-            self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids, self.config.grammar
+            self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids, self.config.grammar,
+            harmony=self.reasoning_parser == "openai_gptoss",
         )
         speculative = self.config.speculative
         self.scheduler = Scheduler(
@@ -218,15 +239,17 @@ class InferenceEngine(Conveniences):
         if request.priority and self.config.scheduler.scheduling_policy != "priority":
             raise InvalidRequestError("priority", "this engine schedules first come, first served (scheduling_policy: fcfs)")
         # Compiling a grammar takes milliseconds to a second: here, never on the scheduler thread.
-        matcher = self.grammars.matcher(request.structured_output, withdrawn) if request.structured_output else None
+        spec = request.structured_output
+        analysis = request.thinking_token_budget != 0  # a harmony grammar without thinking has no analysis channel
+        matcher = self.grammars.matcher(spec, withdrawn, analysis) if spec is not None else None
         guard = self.grammars.guard(request)
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
         thinking = self._thinking(request, prompt_ids)
-        if thinking is not None and params.allowed_token_ids is not None:  # the span's tags stay choosable
-            tags = [thinking.tags.start, thinking.tags.end]
-            params = params.model_copy(update={"allowed_token_ids": [*params.allowed_token_ids, *tags]})
+        if thinking is not None and params.allowed_token_ids is not None:  # the model's markers stay choosable
+            markers = self.reasoning_markers.token_ids  # type: ignore[union-attr]
+            params = params.model_copy(update={"allowed_token_ids": [*params.allowed_token_ids, *markers]})
         slot = self._adapter_slot(request.lora)
         task_id = next(self._task_ids)
         generator = None
@@ -274,15 +297,17 @@ class InferenceEngine(Conveniences):
         if len(prompt_ids) > limit:
             raise InvalidRequestError("input", f"{len(prompt_ids)} tokens are over the {limit} an embedding can read")
 
-    def _thinking(self, request: GenerateRequest, prompt_ids: list[int]) -> ThinkingSpan | None:
-        """A chat request's thinking span, where this engine's model reasons (its budget `thinking_token_budget`); a
-        plain prompt's output is all text, as the model writes it."""
-        if self.thinking_tags is None or request.messages is None:
+    def _thinking(self, request: GenerateRequest, prompt_ids: list[int]) -> ThinkingReader | None:
+        """A chat request's reader of its thinking, where this engine's model reasons (its budget
+        `thinking_token_budget`); a plain prompt's output is all text, as the model writes it."""
+        markers = self.reasoning_markers
+        if markers is None or request.messages is None:
             if request.thinking_token_budget is not None:
-                why = "no reasoning_parser" if self.thinking_tags is None else "a chat request's only"
+                why = "no reasoning_parser" if markers is None else "a chat request's only"
                 raise InvalidRequestError("thinking_token_budget", f"this engine reads no thinking span here ({why})")
             return None
-        return ThinkingSpan(self.thinking_tags, prompt_ids, request.thinking_token_budget)
+        spec = request.structured_output
+        return markers.span(prompt_ids, request.thinking_token_budget, spec is not None and spec.tool_calls is not None)
 
     def _adapter_slot(self, name: str | None) -> int | None:
         """The slot of LoRA adapter `name`, held for one request (None for the base model)."""

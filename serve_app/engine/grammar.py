@@ -9,7 +9,9 @@ refused, and one whose request has gone is abandoned (a compile that has started
 bounds keep that short). Equal constraints compile once (xgrammar's cache, held to `grammar_cache_bytes`).
 JSON is compiled without free whitespace, so a small model cannot fill `max_tokens` with spaces. Tool calls in the generic format are a JSON schema (the
 calls, or the answer); in a template's own format, xgrammar's structural tag for that format
-(`get_model_structural_tag`), or that tag's calls beside the answer's schema.
+(`get_model_structural_tag`), or that tag's calls beside the answer's schema. A harmony model's grammars
+(gpt-oss's) hold its message stream: the constraint applies to the final message or the calls
+(`serve_app.engine.harmony_grammar`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from serve_app.engine.answer_guard import AnswerGuard
 from serve_app.engine.answer_reader import reader_for
 from serve_app.engine.grammar_bounds import check_size
+from serve_app.engine.harmony_grammar import harmony_answer, harmony_calls
 from serve_app.config import GrammarConfig
 from serve_app.engine.io import StructuredOutput, ToolCallGrammar
 from serve_app.errors import EngineOverloadedError, InvalidRequestError
@@ -59,9 +62,15 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer (loads xgrammar on first use) and makes matchers."""
 
     def __init__(
-        self, hf_tokenizer: object, vocab_size: int, stop_token_ids: Sequence[int], config: GrammarConfig | None = None
+        self,
+        hf_tokenizer: object,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        config: GrammarConfig | None = None,
+        harmony: bool = False,
     ) -> None:
         self._hf_tokenizer = hf_tokenizer
+        self._harmony = harmony  # the model answers in harmony messages: every grammar holds their stream
         self.vocab_size = vocab_size
         self.config = config or GrammarConfig()
         self._stop_token_ids = sorted(stop_token_ids)
@@ -94,10 +103,13 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def matcher(self, spec: StructuredOutput, withdrawn: Callable[[], bool] = lambda: False) -> xgrammar.GrammarMatcher:
+    def matcher(
+        self, spec: StructuredOutput, withdrawn: Callable[[], bool] = lambda: False, analysis: bool = True
+    ) -> xgrammar.GrammarMatcher:
         """A fresh matcher for `spec`, once its size is checked and it compiled on the pool in time: InvalidRequestError
         naming `spec.param` when it is too big or cannot be compiled, EngineOverloadedError when too many wait for a
-        compile, CompileAbandoned when `withdrawn()` says the request went away meanwhile."""
+        compile, CompileAbandoned when `withdrawn()` says the request went away meanwhile. `analysis`: a harmony
+        model may think (write an analysis message) before the answer."""
         import xgrammar
 
         check_size(spec, self.config)
@@ -106,7 +118,7 @@ class GrammarCompiler:
                 f"the engine is overloaded: max_pending_compiles={self.config.max_pending_compiles} requests wait for a grammar"
             )
         try:
-            compiled = self._wait(self._pool.submit(self._compile, spec), spec, withdrawn)
+            compiled = self._wait(self._pool.submit(self._compile, spec, analysis), spec, withdrawn)
         finally:
             self._waiting.release()
         return xgrammar.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids)
@@ -125,9 +137,11 @@ class GrammarCompiler:
                 )
         return future.result()
 
-    def _compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
+    def _compile(self, spec: StructuredOutput, analysis: bool) -> xgrammar.CompiledGrammar:
         compiler = self._xgrammar()
         try:
+            if self._harmony:
+                return compiler.compile_structural_tag(_harmony_tag(spec, analysis))
             match spec.kind:
                 case "json":
                     compiled = compiler.compile_json_schema(json.dumps(spec.json_schema), any_whitespace=False)
@@ -236,6 +250,33 @@ def _generic_schema(spec: ToolCallGrammar) -> dict:
     return {"anyOf": [with_calls, plain]}
 
 
+def _harmony_tag(spec: StructuredOutput, analysis: bool) -> xgrammar.StructuralTag:
+    """`spec` over a harmony model's messages: its calls, or its final message's body."""
+    import xgrammar
+
+    if spec.tool_calls is not None:
+        return harmony_calls(spec.tool_calls, analysis)
+    match spec.kind:
+        case "json":
+            grammar = xgrammar.Grammar.from_json_schema(json.dumps(spec.json_schema), any_whitespace=False)
+        case "json_object":
+            grammar = xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        case "regex":
+            grammar = xgrammar.Grammar.from_regex(spec.regex)
+        case "choice":
+            grammar = xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice or ()))
+        case _:
+            grammar = xgrammar.Grammar.from_ebnf(spec.grammar)
+    return harmony_answer(str(grammar), analysis)
+
+
+def _tool_choice(spec: ToolCallGrammar) -> str | dict:
+    """xgrammar's `tool_choice` for `spec`: its mode, or the tool it names."""
+    if spec.mode == "named":
+        return {"type": "function", "function": {"name": spec.tools[0].name}}
+    return spec.mode
+
+
 def _structural_tag(spec: ToolCallGrammar | None) -> xgrammar.StructuralTag:
     """The structural tag of `spec`'s format: free text where `auto` allows it (the template's own
     special tokens included), whitespace runs capped inside the arguments; with an answer schema, the
@@ -245,11 +286,7 @@ def _structural_tag(spec: ToolCallGrammar | None) -> xgrammar.StructuralTag:
 
     assert spec is not None
     tools = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}} for t in spec.tools]
-    choice: str | dict = spec.mode
-    if spec.mode == "named":
-        choice = {"type": "function", "function": {"name": spec.tools[0].name}}
-    if spec.answer_schema is not None:
-        choice = "required"
+    choice = "required" if spec.answer_schema is not None else _tool_choice(spec)
     if spec.format == "mistral":
         tag = _mistral_tag(spec, choice)
     else:

@@ -26,18 +26,20 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from serve_app.config import ToolFormat
+from serve_app.config import ReasoningParser, ToolFormat
 from serve_app.engine.io import EncodedRequest, EngineCall, GenerateRequest, StreamDelta
 from serve_app.routing.page_events import PageEventBatch
 
 
 @dataclass(frozen=True)
 class Ready:
-    """The engine is loaded: its context limit, creation time, tool-call format, vocabulary size and first stats."""
+    """The engine is loaded: its context limit, creation time, tool-call format, reasoning parser, vocabulary size
+    and first stats."""
 
     max_model_len: int
     created: int
     tool_format: ToolFormat
+    reasoning_parser: ReasoningParser | None
     vocab_size: int
     hidden_size: int
     stats: dict[str, int]

@@ -110,6 +110,7 @@ class EngineProcess:
         self.max_model_len = ready.max_model_len
         self.created = ready.created
         self.tool_format = ready.tool_format
+        self.reasoning_parser = ready.reasoning_parser
         self.vocab_size = ready.vocab_size
         self.hidden_size = ready.hidden_size
         self._health = Health(ready.stats, True)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import xgrammar
 
     from serve_app.engine.answer_guard import AnswerGuard
-    from serve_app.engine.reasoning import ThinkingSpan
+    from serve_app.engine.reasoning import ThinkingReader
 
 
 # Where a task's deltas go: called with its id and each delta, on the engine's thread (keep it tiny).
@@ -65,7 +65,7 @@ class Task:
     logprobs: int | None = None
     matcher: xgrammar.GrammarMatcher | None = None  # a structured-output request's grammar state
     guard: AnswerGuard | None = None  # a JSON or tool-call answer's repeats and lengths
-    thinking: ThinkingSpan | None = None  # a reasoning model's thinking, before the answer its grammar holds
+    thinking: ThinkingReader | None = None  # a reasoning model's thinking, before the answer its grammar holds
     embed: bool = False  # its prompt's embedding is its outcome: it ends when its prefill does
     adapter_slot: int | None = None  # the LoRA adapter slot its rows run with (None: the base model)
     on_finished: Callable[[], None] | None = None  # gives back what it held (its adapter slot) once it ends
@@ -80,7 +80,6 @@ class Task:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     queue_time_s: float | None = None  # from submission to its first admission
     published: bool = False  # a delta has gone out
-    _answer_tokens: int = 0  # output tokens after its thinking
 
     @property
     def num_tokens(self) -> int:
@@ -118,7 +117,7 @@ class Task:
 
     @property
     def usage(self) -> Usage:
-        thinking = self.num_output - self._answer_tokens
+        thinking = self.thinking.reasoning_tokens if self.thinking is not None else 0
         return Usage(self.prompt_len, self.num_output, self.cached_tokens, self.cache_written_tokens, thinking)
 
     def admitted(self, cached_tokens: int) -> None:
@@ -142,20 +141,26 @@ class Task:
         whose guard ends it (a repeated call, its constrained tokens spent). Thinking text goes out as
         reasoning, past the grammar, the guard and the stop strings, which hold the answer.
         """
-        phase = self.thinking.accept(token) if self.thinking is not None else "answer"
-        matcher = self.matcher if phase == "answer" else None
+        thinking = self.thinking
+        was_thinking = thinking is not None and thinking.open
+        phase = thinking.accept(token) if thinking is not None else "answer"
+        reads = phase == "answer" or (phase == "tag" and thinking is not None and thinking.grammar_reads_tags)
+        matcher = self.matcher if reads else None
         if matcher is not None and not matcher.accept_token(token):
             return StreamDelta("", (), "error", error=f"token {token} was sampled outside the request's grammar")
         self.tokens.append(token)
-        self._answer_tokens += phase == "answer"
         logprobs = (logprob,) if logprob is not None else ()
         if matcher is not None and matcher.is_terminated():
             return self.closing_delta("stop", (token,), logprobs=logprobs)
         if token in self.stop_token_ids:
             return self.closing_delta("stop", (token,), logprobs=logprobs)
-        if phase != "answer":
+        if phase == "thinking" or (phase == "tag" and was_thinking):
             return self._thinking_delta(phase, token, max_model_len, logprobs)
-        piece = self.detokenizer.push(token)
+        if phase == "tag":  # what the detokenizer held is the answer's, the tag is neither's
+            piece = self.detokenizer.flush()
+            self.detokenizer.skip(token)
+        else:
+            piece = self.detokenizer.push(token)
         if self.guard is not None and (reason := self.guard.after(piece)) is not None:
             return self.closing_delta(reason, (token,), self.stop_strings.feed(piece), logprobs)
         stops = self.stop_strings
@@ -169,7 +174,8 @@ class Task:
     def _thinking_delta(
         self, phase: str, token: int, max_model_len: int, logprobs: tuple[TokenLogprob, ...]
     ) -> StreamDelta:
-        """The reasoning a thinking token adds; a tag adds none (what the detokenizer held goes out before it)."""
+        """The reasoning a thinking token adds; a tag that ends the thinking adds none (what the detokenizer held
+        goes out before it)."""
         if phase == "tag":
             reasoning = self.detokenizer.flush()
             self.detokenizer.skip(token)

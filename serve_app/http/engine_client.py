@@ -73,7 +73,7 @@ class LocalEngineClient(EngineClient):
         self.info = ModelInfo(
             served_name, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size, engine.hidden_size,
             engine.config.grammar,
-            engine.config.model.reasoning_parser,
+            engine.reasoning_parser,
         )
 
     async def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:

@@ -26,7 +26,10 @@ def template_tool_format(template: str) -> ToolFormat:
     """The tool-call format a chat template speaks: `mistral` (`[TOOL_CALLS]name[ARGS]`: Mistral Small 3.2,
     Devstral, Magistral), `qwen3_coder` (Qwen3-Coder's XML), `deepseek_v31` (DeepSeek-V3.1, whose template takes
     no `tools`: the format describes them), `hermes` (`<tool_call>` tags: Qwen2.5, Qwen3, Hermes, SmolLM3),
-    `llama3_json` (Llama 3.1+), or `generic` for a template that ignores tools."""
+    `llama3_json` (Llama 3.1+), `openai` (gpt-oss's harmony channels: a call is a message ending `<|call|>`), or
+    `generic` for a template that ignores tools."""
+    if "<|channel|>" in template and "<|call|>" in template:
+        return "openai"
     if _DEEPSEEK_V31_CALL.search(template):
         return "deepseek_v31"
     if "tools" not in template:

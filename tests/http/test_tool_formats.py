@@ -1,4 +1,4 @@
-"""Tool calls in Mistral's, Qwen3-Coder's and DeepSeek-V3.1's own formats, each with its family's real chat template
+"""Tool calls in Mistral's, Qwen3-Coder's, DeepSeek-V3.1's and gpt-oss's own formats, each with its family's real chat template
 (llama.cpp's copies, `tests.model_families`): the format is read off the template or named by `tool_call_parser`,
 both APIs' histories render through the template in its syntax, and calls a tiny random model is made to write by
 the format's grammar are read back, whole and streamed, with the official SDKs. The tiny models' tokenizer has each
@@ -17,24 +17,27 @@ import jsonschema
 import pytest
 
 from serve_app.engine.engine import InferenceEngine
+from serve_app.engine.harmony import MARKERS as HARMONY_MARKERS
 from serve_app.engine.io import ModelInfo
 from serve_app.http.protocols.anthropic import MessagesBuilder
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.model.tokenizer import template_tool_format
 from tests.inprocess import MODEL, InProcessServer, anthropic_client, engine_server, openai_client
 from tests.model_families import template
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import build_tiny_model, tokenizer_with_tokens
 
 TEMPLATES = {
     "mistral": "Mistral-Small-3.2-24B-Instruct-2506",
     "qwen3_coder": "Qwen3-Coder",
     "deepseek_v31": "deepseek-ai-DeepSeek-V3.1",
+    "openai": "openai-gpt-oss-120b",
 }
 # How each format writes the history's call to get_weather(city="Paris", days=2) in its template.
 RENDERED_CALL = {
     "mistral": '[TOOL_CALLS]get_weather[CALL_ID]{id}[ARGS]{{"city": "Paris", "days": 2}}',
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
     "deepseek_v31": '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{{"city": "Paris", "days": 2}}<｜tool▁call▁end｜>',
+    "openai": '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{{"city": "Paris", "days": 2}}<|call|>',
 }
 PARAMETERS = {
     "type": "object",
@@ -57,27 +60,21 @@ MARKERS = {
     "mistral": (["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"], True),
     "qwen3_coder": (["<tool_call>", "</tool_call>"], False),
     "deepseek_v31": (["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"], True),
+    "openai": (list(HARMONY_MARKERS), True),
 }
-
-
-def _tokenizer_with_markers(name: str, folder: Path, model_path: Path) -> Path:
-    """The embedded model's tokenizer with the family's markers as tokens, special where the family's are."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    markers, special = MARKERS[name]
-    tokenizer.add_tokens(markers, special_tokens=special)
-    tokenizer.save_pretrained(folder)
-    return folder
+# gpt-oss ends its output at <|call|> and <|return|> (its generation config's end ids), the markers' 5th and 6th.
+END_IDS = {"openai": [2, 49152 + 4, 49152 + 5]}
+# gpt-oss thinks in its analysis channel unless told not to: here the grammar then holds the calls from the start.
+NO_THINKING = {"openai": {"reasoning_effort": "none"}}
 
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[tuple[str, InProcessServer]]:
     name = request.param
-    tokenizer = _tokenizer_with_markers(name, tmp_path_factory.mktemp(f"{name}-tokenizer"), model_path)
+    tokenizer = tokenizer_with_tokens(model_path, tmp_path_factory.mktemp(f"{name}-tokenizer"), *MARKERS[name])
     folder = build_tiny_model(
         "qwen3", tmp_path_factory.mktemp(name), tokenizer, chat_template=template(TEMPLATES[name]),
-        max_position_embeddings=4096, vocab_size=49152 + len(MARKERS[name][0]),
+        max_position_embeddings=4096, vocab_size=49152 + len(MARKERS[name][0]), eos_token_id=END_IDS.get(name, 2),
     )
     engine = InferenceEngine(compile=False, model=str(folder), cache_tokens=4096, max_model_len=2048)
     assert engine.tool_format == name  # read off the family's template
@@ -134,10 +131,10 @@ def _mistral_id(call_id: str) -> str:
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["one", "parallel"])
 def test_calls_are_read_back_whole_and_streamed(served: tuple[str, InProcessServer], parallel: bool) -> None:
-    _, server = served
+    name, server = served
     client = openai_client(server.url)
     fields = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=parallel,
-                  max_tokens=300, temperature=0)
+                  max_tokens=300, temperature=0, **NO_THINKING.get(name, {}))
     reply = client.chat.completions.create(**fields)
     calls = reply.choices[0].message.tool_calls
     # One call ends the answer; parallel calls go on until the model stops or max_tokens cuts the next one off.
@@ -170,7 +167,7 @@ def test_tool_use_blocks_through_the_anthropic_sdk(served: tuple[str, InProcessS
 def test_max_string_tokens_needs_json_strings(served: tuple[str, InProcessServer]) -> None:
     name, server = served
     body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 300,
-            "max_string_tokens": 4}
+            "max_string_tokens": 4, **NO_THINKING.get(name, {})}
     answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     if name == "qwen3_coder":  # its values are XML text, not JSON strings
         assert answer.status_code == 400 and "max_string_tokens" in answer.text

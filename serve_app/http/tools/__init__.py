@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from serve_app.config import ToolFormat
 from serve_app.http.tools.generic import GenericFormat
-from serve_app.http.tools.native import DeepSeekV31Format, HermesFormat, Llama3JsonFormat, MistralFormat, Qwen3CoderFormat
+from serve_app.http.tools.native import (
+    DeepSeekV31Format,
+    HarmonyFormat,
+    HermesFormat,
+    Llama3JsonFormat,
+    MistralFormat,
+    Qwen3CoderFormat,
+)
 from serve_app.http.tools.plan import ToolCallFormat
 
 _FORMATS: dict[ToolFormat, ToolCallFormat] = {
@@ -15,6 +22,7 @@ _FORMATS: dict[ToolFormat, ToolCallFormat] = {
     "mistral": MistralFormat(),
     "qwen3_coder": Qwen3CoderFormat(),
     "deepseek_v31": DeepSeekV31Format(),
+    "openai": HarmonyFormat(),
 }
 
 

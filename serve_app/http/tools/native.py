@@ -11,6 +11,8 @@ it back (`serve_app.engine.answer_reader`).
 - `qwen3_coder`: `<tool_call>` blocks of `<function=name>` with one `<parameter=key>` per argument (Qwen3-Coder).
 - `deepseek_v31`: `<｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` in a run of calls (DeepSeek-V3.1),
   whose template takes no `tools`: they are described in the system message, as DeepSeek's model card does.
+- `openai`: gpt-oss's harmony messages, a call being `<|channel|>commentary to=functions.name ...<|message|>{...}
+  <|call|>` (`serve_app.engine.harmony` reads the channels); its template renders one call per assistant message.
 """
 
 from __future__ import annotations
@@ -121,3 +123,50 @@ def _deepseek_tools(plan: ToolPlan) -> str:
         "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
         "- For multiple tool calls, chain them directly without separators or spaces"
     )
+
+
+class HarmonyFormat(_TemplateFormat):
+    """gpt-oss's: its template renders the first call of an assistant message only, and a tool result under the
+    name of the call before it, so a turn of several calls goes to it as one message per call, each followed by its
+    result. An assistant's thinking goes to it as `thinking`; beside calls, the template takes the thinking or the
+    text (both become the analysis before the call): the two are joined."""
+
+    name = "openai"
+
+    def prompt(self, turns: Sequence[Turn], plan: ToolPlan | None) -> Prompt:
+        rendered = super().prompt(_one_call_per_turn(turns), plan)
+        return Prompt([_harmony_message(message) for message in rendered.messages], rendered.tools)
+
+
+def _one_call_per_turn(turns: Sequence[Turn]) -> list[Turn]:
+    """`turns` with each assistant turn of several calls split into one turn per call, its result after it."""
+    out: list[Turn] = []
+    index = 0
+    while index < len(turns):
+        turn = turns[index]
+        index += 1
+        if turn.role != "assistant" or len(turn.calls) < 2:
+            out.append(turn)
+            continue
+        results: dict[str | None, list[Turn]] = {}
+        while index < len(turns) and turns[index].role == "tool":
+            results.setdefault(turns[index].call_id, []).append(turns[index])
+            index += 1
+        for position, call in enumerate(turn.calls):
+            first = position == 0
+            out.append(replace(turn, calls=(call,), content=turn.content if first else "", reasoning=turn.reasoning if first else None))
+            out.extend(results.pop(call.id, []))
+        out.extend(result for unmatched in results.values() for result in unmatched)  # answering no call of the turn
+    return out
+
+
+def _harmony_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A template message as gpt-oss's template reads it: the thinking as `thinking`, joined with the text beside
+    calls."""
+    message = dict(message)
+    thinking = message.pop("reasoning_content", None)
+    if message.get("tool_calls") and thinking and message.get("content"):
+        thinking, message["content"] = f"{thinking}\n\n{message['content']}", ""
+    if thinking is not None:
+        message["thinking"] = thinking
+    return message
