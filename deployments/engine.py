@@ -16,13 +16,17 @@ from deployments.app_args import LLMConfig
 from deployments.model_copy import model_here
 from deployments.placement import Placement
 from deployments.ray_metrics import RayMetrics
-from serve_app.engine.io import EncodedRequest, EngineCall, ModelInfo, RequestRefused, StreamDelta
 from serve_app.engine.process import EngineProcess, EngineProcessError
 from serve_app.engine.serving import answer_or_refusal, open_stream
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import ENGINE_METRICS, engine_samples
-from serve_app.routing.page_events import PageEventBatch
 from serve_app.routing.page_reporter import PageReporter
+from serve_app.wire.calls import EngineCall
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.page_events import PageEventBatch
+from serve_app.wire.refusals import RequestRefused
+from serve_app.wire.requests import EncodedRequest
 
 # How often the replica looks for news to report: page events and load changes go out then.
 REPORT_EVERY_S = 0.1

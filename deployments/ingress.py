@@ -25,7 +25,6 @@ from deployments.app_args import AppConfig
 from deployments.model_copy import model_here
 from deployments.ray_metrics import RayMetrics
 from deployments.response_store import RayResponses
-from serve_app.engine.io import EncodedRequest, EngineCall, ModelInfo, StreamDelta
 from serve_app.http.app import create_api
 from serve_app.http.context import ServerContext
 from serve_app.http.engine_client import EngineClient, unwrap
@@ -37,6 +36,10 @@ from serve_app.metrics.catalog import REQUEST_METRICS
 from serve_app.metrics.prometheus import ServerMetrics
 from serve_app.model.loader import resolve_model_path
 from serve_app.model.tokenizer import Tokenizer
+from serve_app.wire.calls import EngineCall
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.requests import EncodedRequest
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 from ray import serve
 
 from serve_app.routing.page_directory import PageChanges
-from serve_app.routing.page_events import PageEventBatch
 from serve_app.routing.page_news import PageNews
 from serve_app.routing.replica_reports import ReplicaReports
+from serve_app.wire.page_events import PageEventBatch
 
 # A replica that has not reported for this long is gone.
 STALE_AFTER_S = 3.0

@@ -38,12 +38,13 @@ from ray.serve.request_router import (
 )
 
 from deployments.replica_board import NAME as BOARD
-from serve_app.engine.io import EncodedRequest, LookupKV, RetrieveKV, StoreKV
 from serve_app.kv.prefix_cache import PageHash
 from serve_app.metrics import tracing
 from serve_app.routing.costs import DecisionCosts
 from serve_app.routing.decision import PrefixRouting
 from serve_app.routing.policy import RoutingPolicy
+from serve_app.wire.calls import LookupKV, RetrieveKV, StoreKV
+from serve_app.wire.requests import EncodedRequest
 
 logger = logging.getLogger(__name__)
 

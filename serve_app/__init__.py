@@ -15,12 +15,12 @@ _EXPORTS = {
     "ModelConfig": "serve_app.config",
     "SchedulerConfig": "serve_app.config",
     "InferenceEngine": "serve_app.engine.engine",
-    "GenerateRequest": "serve_app.engine.io",
+    "GenerateRequest": "serve_app.wire.requests",
     "GenerateResult": "serve_app.engine.result",
-    "SamplingParams": "serve_app.engine.io",
-    "StreamDelta": "serve_app.engine.io",
-    "StructuredOutput": "serve_app.engine.io",
-    "Usage": "serve_app.engine.io",
+    "SamplingParams": "serve_app.wire.requests",
+    "StreamDelta": "serve_app.wire.outputs",
+    "StructuredOutput": "serve_app.wire.requests",
+    "Usage": "serve_app.wire.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

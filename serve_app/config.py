@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
+from serve_app.wire.model_card import GrammarConfig, ReasoningParser, ToolFormat
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_CACHE_TOKENS = 32768
 # `ModelConfig.device` when the config does not name one: `SERVE_APP_DEVICE`, else auto.
@@ -20,13 +22,8 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "serve-app"
 
 
-# How tools reach a model (`serve_app.model.tokenizer.template_tool_format` reads it off a chat template).
-ToolFormat = Literal["generic", "hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v31", "openai"]
 # A model's weights: `serve_app.model.quant.quantization` applies it.
 Quantization = Literal["none", "int8", "fp8"]
-# How a reasoning model's thinking is told from its answer (`serve_app.engine.reasoning` has each; gpt-oss's
-# channels, `openai_gptoss`, are `serve_app.engine.harmony`'s).
-ReasoningParser = Literal["qwen3", "deepseek_r1", "openai_gptoss"]
 
 
 class _Strict(BaseModel):
@@ -174,26 +171,6 @@ class SpeculativeConfig(_Strict):
                 f"({self.prompt_lookup_max})"
             )
         return self
-
-
-class GrammarConfig(_Strict):
-    """What structured output may cost: a constraint's size and nesting are checked before it compiles, compiles
-    run on a pool of their own with a deadline, and compiled grammars are cached up to a byte bound."""
-
-    max_grammar_bytes: int = Field(
-        32768, ge=64, description="a constraint's text at most (its JSON schema, tools' schemas, regex or grammar)"
-    )
-    max_grammar_depth: int = Field(32, ge=2, description="how deeply a JSON schema (or tool schema) may nest")
-    grammar_compile_timeout_s: float = Field(
-        10.0, gt=0, description="a constraint not compiled in this time is refused (400 naming its field)"
-    )
-    grammar_compile_threads: int = Field(1, ge=1, description="compiles running at once")
-    max_pending_compiles: int = Field(
-        8, ge=1, description="requests waiting for a compile at most; more are refused as overloaded"
-    )
-    grammar_cache_bytes: ByteSize = Field(
-        ByteSize(256 * 2**20), description="compiled grammars kept for reuse at most (least recently used out)"
-    )
 
 
 # The engine's flat options (`InferenceEngine(**options)`, the app's `engine_kwargs`): name -> (section, field).

@@ -27,7 +27,7 @@ from serve_app.bench.idle import wait_idle
 from serve_app.bench.prompts import long_passage
 from serve_app.bench.stats import dict_table, percentile
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import GenerateRequest
+from serve_app.wire.requests import GenerateRequest
 
 QUESTIONS = ["Summarise the passage.", "What is its main word?", "Give it a title.", "Who would read it?",
              "Name one detail.", "What comes next?"]

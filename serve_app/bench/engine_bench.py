@@ -14,7 +14,8 @@ from tqdm import tqdm
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, RequestTiming, format_table
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import GenerateRequest, StreamDelta
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.requests import GenerateRequest
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 
 from serve_app.bench.prompts import make_prompts
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import GenerateRequest
+from serve_app.wire.requests import GenerateRequest
 
 
 @dataclass(frozen=True)

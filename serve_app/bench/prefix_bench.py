@@ -10,7 +10,7 @@ from dataclasses import asdict
 from serve_app.bench.prompts import long_passage
 from serve_app.bench.stats import BenchRow, RequestTiming, format_table
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import GenerateRequest
+from serve_app.wire.requests import GenerateRequest
 
 QUESTIONS = [
     "What is the main topic?", "Summarise it in one line.", "Which word appears most?", "Is it a story?",

@@ -27,8 +27,8 @@ from serve_app.kv.prefix_cache import page_hashes
 from serve_app.routing.costs import DecisionCosts
 from serve_app.routing.decision import PrefixRouting
 from serve_app.routing.page_directory import PageDirectory
-from serve_app.routing.page_events import PageEventBatch, PageHash
 from serve_app.routing.policy import RoutingPolicy
+from serve_app.wire.page_events import PageEventBatch, PageHash
 
 
 @dataclass(frozen=True)

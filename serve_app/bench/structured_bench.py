@@ -18,7 +18,7 @@ from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import format_table
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import StructuredOutput
+from serve_app.wire.requests import StructuredOutput
 
 # Open-ended enough that the model, not the grammar, decides the length (as in real use).
 SCHEMA = {

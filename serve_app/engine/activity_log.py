@@ -15,12 +15,12 @@ import torch
 from serve_app.metrics.catalog import kv_cache_usage
 
 if TYPE_CHECKING:
-    from serve_app.engine.engine import InferenceEngine
+    from serve_app.engine.stats import EngineParts
 
 logger = logging.getLogger("serve_app.engine")
 
 
-def log_start(engine: InferenceEngine) -> None:
+def log_start(engine: EngineParts) -> None:
     """One line each: model, dtype, device, threads, KV pages and tokens, the requests that fit at full
     context, and whether steps run the compiled forward."""
     runner, config = engine.runner, engine.config

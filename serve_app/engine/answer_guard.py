@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from serve_app.engine.answer_reader import AnswerReader
+from serve_app.answers.reader import AnswerReader
 
 
 class AnswerGuard:

@@ -8,13 +8,13 @@ from collections.abc import Sequence
 
 import torch
 
-from serve_app.engine.io import KVConfig, KVLookup, StoreResult
 from serve_app.engine.loop import EngineLoop
-from serve_app.errors import InvalidRequestError
 from serve_app.kv.prefix_cache import page_hashes
 from serve_app.kv.tiers.tier_chain import TierChain
 from serve_app.kv.transfer import KVTransfer
 from serve_app.model.runner import ModelRunner
+from serve_app.wire.calls import KVConfig, KVLookup, StoreResult
+from serve_app.wire.refusals import InvalidRequestError
 
 
 class CachedKV:

@@ -24,7 +24,8 @@ from multiprocessing.connection import Connection
 
 from serve_app.config import EngineConfig
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import EncodedRequest, StreamDelta
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.requests import EncodedRequest
 from serve_app.engine.messages import (
     Abort,
     Accepted,
@@ -45,8 +46,8 @@ from serve_app.engine.messages import (
     receive,
     send,
 )
-from serve_app.errors import EngineOverloadedError
 from serve_app.kv.tiers.tier_chain import RayTiers
+from serve_app.wire.refusals import EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 

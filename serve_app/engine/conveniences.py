@@ -8,8 +8,9 @@ import queue
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from serve_app.engine.io import GenerateRequest, StreamDelta
 from serve_app.engine.result import GenerateResult
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.requests import GenerateRequest
 
 Prompt = str | list[int]
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from serve_app.engine.grammar import GrammarCompiler
-from serve_app.engine.io import StreamDelta, TokenLogprob, merge_deltas
 from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
 from serve_app.engine.task import Task
+from serve_app.wire.outputs import StreamDelta, TokenLogprob, merge_deltas
 
 logger = logging.getLogger(__name__)
 

@@ -12,24 +12,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from serve_app.config import EngineConfig, ReasoningParser, ToolFormat
+from serve_app.config import EngineConfig
 from serve_app.engine.activity_log import ActivityLog, log_start
 from serve_app.engine.cached_kv import CachedKV
 from serve_app.engine.conveniences import Conveniences
 from serve_app.engine.grammar import GrammarCompiler
-from serve_app.engine.io import (
-    EncodedRequest,
-    EngineCall,
-    GenerateRequest,
-    GetKVConfig,
-    GetStats,
-    ListAdapters,
-    LookupKV,
-    RetrieveKV,
-    StoreKV,
-    StreamDelta,
-    token_id_outside,
-)
 from serve_app.engine.harmony import HarmonyMarkers
 from serve_app.engine.loop import EngineLoop
 from serve_app.engine.reasoning import ReasoningMarkers, ThinkingReader, ThinkingTags
@@ -41,7 +28,6 @@ from serve_app.engine.step import ModelStep
 from serve_app.engine.stopping import StopStringMatcher
 from serve_app.engine.task import CachePin, DeltaSink, Task
 from serve_app.engine.tier_loading import TierLoading
-from serve_app.errors import InvalidRequestError
 from serve_app.kv.base import KVCache
 from serve_app.kv.factory import build_kv_cache
 from serve_app.kv.page_cache import PageCache
@@ -51,7 +37,12 @@ from serve_app.kv.transfer import KVTransfer
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
 from serve_app.model.tokenizer import Tokenizer
-from serve_app.routing.page_events import PageEventLog
+from serve_app.wire.calls import EngineCall, GetKVConfig, GetStats, ListAdapters, LookupKV, RetrieveKV, StoreKV
+from serve_app.wire.model_card import ReasoningParser, ToolFormat
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.page_events import PageEventLog
+from serve_app.wire.refusals import InvalidRequestError
+from serve_app.wire.requests import EncodedRequest, GenerateRequest, token_id_outside
 
 logger = logging.getLogger(__name__)
 
@@ -385,7 +376,7 @@ class InferenceEngine(Conveniences):
         self.loop.abort(task_id)
 
     def answer(self, call: EngineCall) -> Any:
-        """What `call` asks of the engine (see the calls in `serve_app.engine.io`); raises what the engine refuses."""
+        """What `call` asks of the engine (see the calls in `serve_app.wire.calls`); raises what the engine refuses."""
         match call:
             case GetStats():
                 return self.get_stats()

@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from serve_app.engine.answer_guard import AnswerGuard
-from serve_app.engine.answer_reader import reader_for
+from serve_app.answers.by_format import reader_for
 from serve_app.engine.grammar_bounds import check_size
 from serve_app.engine.harmony_grammar import harmony_answer, harmony_calls
-from serve_app.config import GrammarConfig
-from serve_app.engine.io import StructuredOutput, ToolCallGrammar
-from serve_app.errors import EngineOverloadedError, InvalidRequestError
+from serve_app.wire.model_card import GrammarConfig
+from serve_app.wire.refusals import EngineOverloadedError, InvalidRequestError
+from serve_app.wire.requests import StructuredOutput, ToolCallGrammar
 
 if TYPE_CHECKING:
     import xgrammar
 
-    from serve_app.engine.io import GenerateRequest
+    from serve_app.wire.requests import GenerateRequest
 
 # Our tool-call formats as xgrammar's structural-tag builders name them (Mistral's is built here).
 _XGRAMMAR_MODEL = {"hermes": "qwen_3", "llama3_json": "llama", "qwen3_coder": "qwen_3_coder", "deepseek_v31": "deepseek_v3_1"}

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.config import GrammarConfig
-from serve_app.engine.io import StructuredOutput
-from serve_app.errors import InvalidRequestError
+from serve_app.wire.model_card import GrammarConfig
+from serve_app.wire.refusals import InvalidRequestError
+from serve_app.wire.requests import StructuredOutput
 
 
 def check_size(spec: StructuredOutput, config: GrammarConfig) -> None:

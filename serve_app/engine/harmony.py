@@ -6,9 +6,10 @@ A harmony model answers in messages: `<|channel|>analysis<|message|>...<|end|>` 
 before the channel). The chat template's generation prompt ends with `<|start|>assistant`, so the output starts in
 a header. The markers are special tokens of its tokenizer; the rest of a header (the channel, the recipient) is
 text, read once the header's `<|message|>` ends it. The analysis channel's body is the reasoning; every other body
-is the answer. A tool-mode answer keeps its headers (the calls' recipients are in them: `answer_reader` reads the
-messages back); any other answer leaves them out. A grammar reads the headers too (xgrammar's harmony format is the
-whole message stream), but not the analysis bodies: the budget closes one with `<|end|>`.
+is the answer. A tool-mode answer keeps its headers (the calls' recipients are in them: `serve_app.answers.harmony`
+reads the messages back); any other answer leaves them out. A grammar reads the headers too (it holds the whole
+message stream, `serve_app.engine.harmony_grammar`), but not the analysis bodies: the budget closes one with
+`<|end|>`.
 """
 
 from __future__ import annotations

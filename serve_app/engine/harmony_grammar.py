@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import xgrammar
 
-    from serve_app.engine.io import FunctionTool, ToolCallGrammar
+    from serve_app.wire.requests import FunctionTool, ToolCallGrammar
 
 
 def harmony_answer(ebnf: str, analysis: bool) -> xgrammar.StructuralTag:

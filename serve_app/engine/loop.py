@@ -12,12 +12,12 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TypeVar
 
-from serve_app.engine.io import StreamDelta
 from serve_app.engine.scheduler import Batch, Scheduler
 from serve_app.engine.step import ModelStep
 from serve_app.engine.task import Task, TaskState
-from serve_app.errors import EngineOverloadedError
 from serve_app.kv.tiers.pages import LoadedPages
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.refusals import EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 

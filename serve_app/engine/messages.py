@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from serve_app.config import ReasoningParser, ToolFormat
-from serve_app.engine.io import EncodedRequest, EngineCall, GenerateRequest, StreamDelta
-from serve_app.routing.page_events import PageEventBatch
+from serve_app.wire.calls import EngineCall
+from serve_app.wire.model_card import ReasoningParser, ToolFormat
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.page_events import PageEventBatch
+from serve_app.wire.requests import EncodedRequest, GenerateRequest
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serve_app.config import EngineConfig
-from serve_app.engine.io import EncodedRequest, EngineCall, GenerateRequest, StreamDelta
+from serve_app.wire.calls import EngineCall
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.requests import EncodedRequest, GenerateRequest
 from serve_app.engine.messages import (
     Abort,
     Accepted,
@@ -52,7 +54,7 @@ from serve_app.engine.messages import (
     send,
 )
 from serve_app.engine.request_stream import RequestStream
-from serve_app.routing.page_events import PageEventBatch, PageEventBuffer
+from serve_app.wire.page_events import PageEventBatch, PageEventBuffer
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
-from serve_app.config import ReasoningParser
 from serve_app.model.tokenizer import Tokenizer
+from serve_app.wire.model_card import ReasoningParser
 
 # Each parser's tags (both families write the same two).
 _TAGS: dict[str, tuple[str, str]] = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}

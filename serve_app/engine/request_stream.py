@@ -11,7 +11,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from serve_app.engine.io import StreamDelta, merge_deltas
+from serve_app.wire.outputs import StreamDelta, merge_deltas
 
 
 class RequestStream:

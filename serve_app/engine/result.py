@@ -7,7 +7,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
-from serve_app.engine.io import FinishReason, StreamDelta, TokenLogprob, Usage, merge_deltas
+from serve_app.wire.outputs import FinishReason, StreamDelta, TokenLogprob, Usage, merge_deltas
 
 
 @dataclass

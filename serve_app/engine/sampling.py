@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.engine.io import SamplingParams
+from serve_app.wire.requests import SamplingParams
 
 _NEG_INF = float("-inf")
 # top_k as a tensor holds int64; a larger value keeps every token anyway.

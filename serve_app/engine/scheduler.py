@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from serve_app.config import SchedulerConfig
 from serve_app.engine.emitting import Emitted
-from serve_app.engine.io import ITERATION_TOKEN_BUCKETS, StreamDelta
 from serve_app.engine.speculation import Speculator
 from serve_app.engine.task import CachePin, Task, TaskState
 from serve_app.engine.tier_loading import TierLoading
@@ -24,6 +23,8 @@ from serve_app.engine.waiting import WaitingQueue
 from serve_app.kv.base import KVCache
 from serve_app.kv.tiers.pages import LoadedPages
 from serve_app.kv.view import BatchEntry
+from serve_app.wire.calls import ITERATION_TOKEN_BUCKETS
+from serve_app.wire.outputs import StreamDelta
 
 logger = logging.getLogger(__name__)
 

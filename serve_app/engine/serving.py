@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from serve_app.config import ToolFormat
-from serve_app.engine.io import EncodedRequest, EngineCall, RequestRefused, StreamDelta
+from serve_app.wire.calls import EngineCall
+from serve_app.wire.model_card import ToolFormat
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.refusals import RequestRefused
+from serve_app.wire.requests import EncodedRequest
 
 
 class DeltaStream(Protocol):

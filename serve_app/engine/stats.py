@@ -5,22 +5,38 @@ speculative decoding's counts and the compiled forward's state."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from serve_app.engine.io import TIER_NAMES
-from serve_app.engine.scheduler import SchedulerStats
+from serve_app.engine.scheduler import Scheduler, SchedulerStats
 from serve_app.engine.speculation import SpeculationStats
+from serve_app.wire.calls import TIER_NAMES
 
 if TYPE_CHECKING:
-    from serve_app.engine.engine import InferenceEngine
+    from serve_app.config import EngineConfig
+    from serve_app.engine.loop import EngineLoop
+    from serve_app.kv.base import KVCache
+    from serve_app.kv.tiers.tier_chain import TierChain
+    from serve_app.model.runner import ModelRunner
 
 
-def engine_stats(engine: InferenceEngine) -> dict[str, int]:
+class EngineParts(Protocol):
+    """What the stats and the start-up log read of an engine (an `InferenceEngine`'s parts)."""
+
+    config: EngineConfig
+    runner: ModelRunner
+    cache: KVCache
+    scheduler: Scheduler
+    loop: EngineLoop
+    tiers: TierChain | None
+    max_model_len: int
+
+
+def engine_stats(engine: EngineParts) -> dict[str, int]:
     stats = engine.scheduler.stats
     return {**_counters(engine, stats), **_tier_stats(engine, stats), **_speculation_stats(engine), **_compile_stats(engine)}
 
 
-def _compile_stats(engine: InferenceEngine) -> dict[str, int]:
+def _compile_stats(engine: EngineParts) -> dict[str, int]:
     """Whether steps run the compiled forward, and its graphs this start loaded from torch's compile
     caches or compiled."""
     compiled = engine.runner.compiled
@@ -31,7 +47,7 @@ def _compile_stats(engine: InferenceEngine) -> dict[str, int]:
     }
 
 
-def _counters(engine: InferenceEngine, stats: SchedulerStats) -> dict[str, int]:
+def _counters(engine: EngineParts, stats: SchedulerStats) -> dict[str, int]:
     running, waiting = engine.loop.counts()
     usage = engine.cache.usage()
     adapters = engine.runner.adapters
@@ -57,14 +73,14 @@ def _counters(engine: InferenceEngine, stats: SchedulerStats) -> dict[str, int]:
     }
 
 
-def _speculation_stats(engine: InferenceEngine) -> dict[str, int]:
+def _speculation_stats(engine: EngineParts) -> dict[str, int]:
     """Speculative decoding's counts (`SpeculationStats`), as `spec_decode_*`; zero when it is off."""
     speculator = engine.scheduler.speculator
     stats = speculator.stats if speculator is not None else SpeculationStats()
     return {f"spec_decode_{name}": value for name, value in asdict(stats).items()}
 
 
-def _tier_stats(engine: InferenceEngine, stats: SchedulerStats) -> dict[str, int]:
+def _tier_stats(engine: EngineParts, stats: SchedulerStats) -> dict[str, int]:
     """Prefix-cache hits by tier (`prefix_cache_hit_tokens_pool`, `_host`, `_disk`, `_cluster`), and with
     tiers each one's bytes, pages, evictions (and the disk's corrupt pages found)."""
     loading = engine.scheduler.tiers

@@ -7,9 +7,9 @@ import torch
 
 from serve_app.engine.emitting import Emitted, TokenEmitter
 from serve_app.engine.grammar import GrammarCompiler
-from serve_app.engine.io import StreamDelta
 from serve_app.engine.scheduler import Batch, Scheduler
 from serve_app.model.runner import ForwardBatch, ModelRunner
+from serve_app.wire.outputs import StreamDelta
 
 
 class ModelStep:

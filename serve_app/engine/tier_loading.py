@@ -4,11 +4,11 @@ it is admitted with them. Pages the pool publishes go down to the tiers after ea
 
 from __future__ import annotations
 
-from serve_app.engine.io import TIER_NAMES
 from serve_app.engine.task import Task
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.tiers.pages import LoadedPages
 from serve_app.kv.tiers.tier_chain import TierChain
+from serve_app.wire.calls import TIER_NAMES
 
 
 class TierLoading:

@@ -11,13 +11,13 @@ from typing import Any
 from fastapi import Request
 
 from serve_app.config import ServerConfig
-from serve_app.engine.io import ModelInfo
 from serve_app.http.body import read_json
 from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.errors import ProtocolError, invalid
 from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.response_store import LocalResponses, Responses, ResponseStore
 from serve_app.http.served_models import ServedModels
+from serve_app.wire.model_card import ModelInfo
 from serve_app.http.tenants import (
     Tenant,
     TenantDirectory,

@@ -11,10 +11,14 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from serve_app.engine.io import EncodedRequest, EngineCall, ModelInfo, RequestRefused, StreamDelta
 from serve_app.engine.serving import answer_or_refusal, open_stream
 from serve_app.http.prompt_encoder import PromptEncoder
 from serve_app.http.protocols.errors import ProtocolError
+from serve_app.wire.calls import EngineCall
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.refusals import RequestRefused
+from serve_app.wire.requests import EncodedRequest
 
 if TYPE_CHECKING:
     from serve_app.engine.engine import InferenceEngine
@@ -34,7 +38,7 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def ask(self, call: EngineCall) -> Any:
-        """The engine's answer to `call` (the calls in `serve_app.engine.io`); ProtocolError for what it refuses."""
+        """The engine's answer to `call` (the calls in `serve_app.wire.calls`); ProtocolError for what it refuses."""
 
     @abstractmethod
     async def model_info(self) -> ModelInfo: ...

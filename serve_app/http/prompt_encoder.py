@@ -9,9 +9,10 @@ import asyncio
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from serve_app.engine.io import EncodedRequest, GenerateRequest, RequestRefused
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.model.tokenizer import Tokenizer
+from serve_app.wire.refusals import RequestRefused
+from serve_app.wire.requests import EncodedRequest, GenerateRequest
 
 
 class PromptEncoder:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from serve_app.engine.io import ListAdapters, ModelInfo
 from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.errors import ProtocolError
+from serve_app.wire.calls import ListAdapters
+from serve_app.wire.model_card import ModelInfo
 
 
 def adapter_of(model: ModelInfo, requested: str, param: str = "model") -> str | None:

@@ -6,7 +6,7 @@ import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
 
-from serve_app.routing.page_events import DEFAULT_LIMIT, PageEventLog, PageHash
+from serve_app.wire.page_events import DEFAULT_LIMIT, PageEventLog, PageHash
 
 
 def chain_hash(parent: PageHash | None, tokens: Sequence[int], cache_salt: str) -> PageHash:

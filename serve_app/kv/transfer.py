@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from serve_app.engine.io import StoreResult
-from serve_app.errors import CacheFullError, InvalidRequestError
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.prefix_cache import page_hashes
+from serve_app.wire.calls import StoreResult
+from serve_app.wire.refusals import CacheFullError, InvalidRequestError
 
 
 class KVTransfer:

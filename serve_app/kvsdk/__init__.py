@@ -7,8 +7,8 @@
     stream.generate({"max_tokens": 64})             # decode from the edited KV
 """
 
-from serve_app.engine.io import KVConfig
 from serve_app.kvsdk.batched import BatchedStream
+from serve_app.wire.calls import KVConfig
 from serve_app.kvsdk.completion import (
     CompletionError,
     CompletionOutput,

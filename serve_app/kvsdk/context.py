@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from serve_app.engine.io import KVConfig
 from serve_app.http.protocols.kv import MEDIA_TYPE, decode_kv, encode_kv
 from serve_app.kvsdk.errors import error_message
+from serve_app.wire.calls import KVConfig
 
 if TYPE_CHECKING:
     import torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from serve_app.engine.io import KVConfig
+from serve_app.wire.calls import KVConfig
 
 if TYPE_CHECKING:
     import torch

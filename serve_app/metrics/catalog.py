@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from serve_app.engine.io import ITERATION_TOKEN_BUCKETS, TIER_NAMES
+from serve_app.wire.calls import ITERATION_TOKEN_BUCKETS, TIER_NAMES
 
 COMMON_LABELS = ("model_name", "replica")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -10,8 +10,6 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from serve_app.http.protocols.base import RequestObserver
-from serve_app.http.protocols.prepared import Choice
 from serve_app.metrics.catalog import (
     ITERATION_TOKENS,
     NAMINGS,
@@ -61,7 +59,7 @@ class _EngineStateCollector:
         yield from families.values()
 
 
-class ServerMetrics(RequestObserver):
+class ServerMetrics:
     """One registry per ingress replica (`replica`: its id), labelled so that many can be scraped together;
     `naming` is the server's `metrics_names`."""
 
@@ -81,10 +79,9 @@ class ServerMetrics(RequestObserver):
         self._engine_state = _EngineStateCollector(names)
         self.registry.register(self._engine_state)
 
-    def on_finish(self, model_name: str, timing: RequestTiming, choice: Choice) -> None:
-        prompt_tokens = choice.usage.prompt_tokens if choice.usage is not None else 0
-        reason = choice.finish_reason or "cancelled"
-        self.record(request_samples(model_name, self.replica, timing, reason, prompt_tokens, len(choice.token_ids)))
+    def on_finish(self, model_name: str, timing: RequestTiming, reason: str, prompt_tokens: int, output_tokens: int) -> None:
+        """A finished choice (the HTTP side's `RequestObserver`)."""
+        self.record(request_samples(model_name, self.replica, timing, reason, prompt_tokens, output_tokens))
 
     def record(self, samples: list[Sample]) -> None:
         """A finished request's samples: counters grow by them, histograms observe them."""

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from serve_app.errors import EngineOverloadedError, InvalidRequestError
 from serve_app.model.surgery import replace_modules
+from serve_app.wire.refusals import EngineOverloadedError, InvalidRequestError
 
 # The decoder's linear layers an adapter may target (Llama, Qwen2/3, Mistral names).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

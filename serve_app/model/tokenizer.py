@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from serve_app.config import ToolFormat
-from serve_app.errors import InvalidRequestError
+from serve_app.wire.model_card import ToolFormat
+from serve_app.wire.refusals import InvalidRequestError
 
 if TYPE_CHECKING:
-    from serve_app.engine.io import GenerateRequest
+    from serve_app.wire.requests import GenerateRequest
 
 ChatMessage = dict[str, Any]
 

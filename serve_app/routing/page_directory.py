@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from serve_app.routing.page_events import PageEventBatch, PageHash
+from serve_app.wire.page_events import PageEventBatch, PageHash
 
 DEFAULT_LOG_LENGTH = 4096
 

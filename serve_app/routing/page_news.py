@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from serve_app.routing.page_directory import PageChanges, PageDirectory
-from serve_app.routing.page_events import PageEventBatch
+from serve_app.wire.page_events import PageEventBatch
 
 
 class PageNews:

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from serve_app.routing.page_events import PageEventBatch
+from serve_app.wire.page_events import PageEventBatch
 
 logger = logging.getLogger(__name__)
 

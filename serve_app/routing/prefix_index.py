@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from serve_app.routing.page_directory import PageChanges
-from serve_app.routing.page_events import PageEventBatch, PageHash
+from serve_app.wire.page_events import PageEventBatch, PageHash
 
 PROVISIONAL_TTL_S = 10.0
 

@@ -23,10 +23,10 @@ from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.servers import ROOT
 from serve_app.config import EngineConfig
 from serve_app.kv.view import BatchEntry, KVCacheView
-from serve_app.model.quant import quantize
 from serve_app.model.attention import step_context
 from serve_app.model.compiled import WARM_UP_SHAPES
 from serve_app.model.kernels.onednn_linear import OneDnnLinear
+from serve_app.model.quant import quantize
 from tests.adapters import build_adapter
 from tests.references import ReferenceModel
 

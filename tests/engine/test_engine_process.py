@@ -13,9 +13,10 @@ import torch
 from serve_app.bench.idle import wait_idle
 from serve_app.config import EngineConfig
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import GenerateRequest, GetKVConfig, GetStats, LookupKV, RetrieveKV, StoreKV
 from serve_app.engine.process import EngineProcess, EngineProcessError
-from serve_app.errors import InvalidRequestError
+from serve_app.wire.calls import GetKVConfig, GetStats, LookupKV, RetrieveKV, StoreKV
+from serve_app.wire.refusals import InvalidRequestError
+from serve_app.wire.requests import GenerateRequest
 
 OPTIONS = dict(kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=512)
 PROMPTS = ([5, 17, 300, 41], list(range(100, 140)), [7] * 19)

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from serve_app.bench.idle import wait_idle
-from serve_app.config import EngineConfig, GrammarConfig
-from serve_app.engine.engine import InferenceEngine
+from serve_app.config import EngineConfig
 from serve_app.engine.grammar import CompileAbandoned, GrammarCompiler
-from serve_app.engine.io import GenerateRequest, GetStats, StructuredOutput
 from serve_app.engine.process import EngineProcess
-from serve_app.errors import InvalidRequestError
+from serve_app.wire.calls import GetStats
+from serve_app.wire.model_card import GrammarConfig
+from serve_app.wire.refusals import InvalidRequestError
+from serve_app.wire.requests import GenerateRequest, StructuredOutput
 
 
 def _enum(count: int, seed: int) -> dict:

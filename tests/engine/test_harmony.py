@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.engine.answer_reader import CallPart, HarmonyReader
+from serve_app.answers.harmony import HarmonyReader
+from serve_app.answers.reader import CallPart
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import GenerateRequest, SamplingParams, StructuredOutput
 from serve_app.engine.result import GenerateResult
 from serve_app.engine.stopping import StopStringMatcher
 from serve_app.engine.task import Task
-from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
+from serve_app.model.detokenizer import IncrementalDetokenizer
+from serve_app.wire.requests import GenerateRequest, SamplingParams, StructuredOutput
 from tests.inprocess import MODEL, engine_server, openai_client
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -102,7 +103,7 @@ def test_a_budget_closes_the_analysis_and_the_final_message_holds_the_answer(har
 
 
 def test_reasoning_effort_is_told_to_the_template(harmony: InferenceEngine) -> None:
-    from serve_app.engine.io import ModelInfo
+    from serve_app.wire.model_card import ModelInfo
 
     info = ModelInfo("m", 2048, 0, "openai", harmony.vocab_size, harmony.hidden_size, reasoning_parser="openai_gptoss")
     request = ChatCompletionsBuilder().prepare(

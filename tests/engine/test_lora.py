@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.idle import wait_idle
-from serve_app.errors import EngineOverloadedError, InvalidRequestError
+from serve_app.wire.refusals import EngineOverloadedError, InvalidRequestError
 from tests.adapters import build_adapter
 from tests.references import ReferenceModel
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import GenerateRequest, StructuredOutput
-from serve_app.errors import InvalidRequestError
+from serve_app.wire.refusals import InvalidRequestError
+from serve_app.wire.requests import GenerateRequest, StructuredOutput
 from tests.model_families import qwen3_tokenizer, template
 from tests.tiny_models import build_tiny_model
 

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from serve_app.engine.io import StreamDelta, Usage
 from serve_app.engine.request_stream import RequestStream
+from serve_app.wire.outputs import StreamDelta, Usage
 
 
 def _delta(text: str, token: int, finish: str | None = None, usage: Usage | None = None) -> StreamDelta:

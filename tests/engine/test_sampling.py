@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from serve_app import GenerateRequest, InferenceEngine
-from serve_app.engine.io import SamplingParams
+from serve_app.wire.requests import SamplingParams
 from serve_app.engine.sampling import (
     MinPStrategy,
     PenaltyStrategy,

@@ -11,7 +11,6 @@ import torch
 
 from serve_app.config import SchedulerConfig
 from serve_app.engine.emitting import Emitted
-from serve_app.engine.io import SamplingParams
 from serve_app.engine.result import GenerateResult
 from serve_app.engine.scheduler import Batch, Scheduler
 from serve_app.engine.stopping import StopStringMatcher
@@ -20,6 +19,7 @@ from serve_app.kv.page_cache import PageCache
 from serve_app.kv.storage import KVShape
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.tokenizer import Tokenizer
+from serve_app.wire.requests import SamplingParams
 
 PAGE = 4
 MAX_MODEL_LEN = 256

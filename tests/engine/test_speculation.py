@@ -16,12 +16,12 @@ from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.idle import wait_idle
 from serve_app.bench.prompts import grounded_chats
 from serve_app.config import EngineConfig
-from serve_app.engine.io import SamplingParams, StructuredOutput
 from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
 from serve_app.engine.speculation import REMEASURE_AFTER, NgramIndex, StepTimes
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import step_context
 from serve_app.model.runner import ForwardBatch
+from serve_app.wire.requests import SamplingParams, StructuredOutput
 from tests.inprocess import MODEL, engine_server, openai_client
 from tests.prompts import oracle_prompts
 from tests.references import ReferenceModel

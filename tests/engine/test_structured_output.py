@@ -23,8 +23,8 @@ import pytest
 
 from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.idle import wait_idle
-from serve_app.engine.io import StructuredOutput
-from serve_app.errors import InvalidRequestError
+from serve_app.wire.refusals import InvalidRequestError
+from serve_app.wire.requests import StructuredOutput
 from tests.inprocess import MODEL, InProcessServer
 from tests.references import ReferenceModel
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from serve_app import GenerateRequest, InferenceEngine
-from serve_app.engine.io import RequestRefused
 from serve_app.engine.stopping import StopStringMatcher
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.tokenizer import Tokenizer
+from serve_app.wire.refusals import RequestRefused
 
 
 def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_the_match() -> None:

@@ -17,12 +17,13 @@ import jsonschema
 import pytest
 
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import ModelInfo, StructuredOutput
 from serve_app.http.protocols.anthropic import MessagesBuilder
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import ParsedOutput, ToolSpec, plan, read_answer
 from serve_app.model.tokenizer import template_tool_format
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.requests import StructuredOutput
 from tests.inprocess import (
     MODEL,
     InProcessServer,

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import GenerateRequest
 from serve_app.engine.result import GenerateResult
+from serve_app.wire.requests import GenerateRequest
 from tests.inprocess import MODEL, InProcessServer, anthropic_client, engine_server, openai_client
 
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}]

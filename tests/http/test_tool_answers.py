@@ -17,10 +17,11 @@ import pydantic
 import pytest
 
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import GenerateRequest, ModelInfo
 from serve_app.http.protocols.anthropic import MessagesBuilder
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.http.protocols.responses import ResponsesBuilder
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.requests import GenerateRequest
 from tests.inprocess import MODEL, InProcessServer
 
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -18,10 +18,10 @@ import pytest
 
 from serve_app.engine.engine import InferenceEngine
 from serve_app.engine.harmony import MARKERS as HARMONY_MARKERS
-from serve_app.engine.io import ModelInfo
 from serve_app.http.protocols.anthropic import MessagesBuilder
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.model.tokenizer import template_tool_format
+from serve_app.wire.model_card import ModelInfo
 from tests.inprocess import MODEL, InProcessServer, anthropic_client, engine_server, openai_client
 from tests.model_families import template
 from tests.tiny_models import build_tiny_model, tokenizer_with_tokens

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_app.engine.answer_reader import JsonScanner
+from serve_app.answers.scanning import JsonScanner
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import ParsedOutput, ToolSpec, plan, read_answer, tool_answer_reader
 from serve_app.http.tools.stream import (

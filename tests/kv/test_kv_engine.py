@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.io import GenerateRequest
 from serve_app.kvsdk import rerotate_k
+from serve_app.wire.requests import GenerateRequest
 from tests.prompts import _PASSAGE
 from tests.references import ReferenceModel
 

@@ -7,10 +7,10 @@ import asyncio
 import contextlib
 import time
 
-from serve_app.routing.page_events import PageEventBatch
 from serve_app.routing.page_news import PageNews
 from serve_app.routing.page_reporter import PageReporter
 from serve_app.routing.replica_reports import ReplicaReports
+from serve_app.wire.page_events import PageEventBatch
 
 A, B = b"a" * 16, b"b" * 16
 

@@ -8,9 +8,9 @@ from serve_app.kv.prefix_cache import page_hashes
 from serve_app.routing.adapter_holders import AdapterHolders
 from serve_app.routing.decision import PrefixRouting
 from serve_app.routing.page_directory import PageDirectory
-from serve_app.routing.page_events import PageEventBatch, PageEventBuffer
 from serve_app.routing.policy import RoutingPolicy
 from serve_app.routing.prefix_index import PrefixIndex
+from serve_app.wire.page_events import PageEventBatch, PageEventBuffer
 
 PAGE = 4
 

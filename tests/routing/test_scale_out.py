@@ -22,11 +22,11 @@ import pytest
 from serve_app.bench.servers import ServeRun
 from serve_app.kvsdk import KVError, connect, create_request, make_post_completion
 from tests.adapters import build_adapter
-from tests.inprocess import MODEL, anthropic_client, openai_client
 from tests.browser import needs_chromium
+from tests.inprocess import MODEL, anthropic_client, openai_client
 from tests.otlp import TraceReceiver
-from tests.tiny_models import build_tiny_model
 from tests.served import FOLLOWER_IDLE_S, check_routing_across_an_idle_spell, router_config
+from tests.tiny_models import build_tiny_model
 
 PAGE = 16
 TWO_REPLICAS = {

@@ -9,13 +9,12 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry.trace import StatusCode
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from serve_app.engine.io import ModelInfo, StreamDelta
 from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.errors import ErrorFormat, ProtocolError
 from serve_app.http.protocols.fields import from_validation_error
@@ -24,6 +23,8 @@ from serve_app.http.protocols.prepared import Choice, PreparedRequest
 from serve_app.http.streaming import ClosingStreamingResponse
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import RequestTiming
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +79,11 @@ class ResponseBuilder(ABC):
 Answered = Callable[[ResponseFormatter], Awaitable[None]]
 
 
-class RequestObserver(ABC):
-    """Told about each request's timing and outcome (the server's metrics)."""
+class RequestObserver(Protocol):
+    """Told about each request's timing and outcome (the server's metrics, `ServerMetrics`)."""
 
-    @abstractmethod
-    def on_finish(self, model_name: str, timing: RequestTiming, choice: Choice) -> None: ...
+    def on_finish(self, model_name: str, timing: RequestTiming, reason: str, prompt_tokens: int, output_tokens: int) -> None:
+        """One choice has ended for `reason` (a finish reason, `cancelled` where it has none)."""
 
 
 class ProtocolHandler:
@@ -195,7 +196,9 @@ class ProtocolHandler:
         await _close(streams)
         if self.observer is not None:
             for stream, choice in zip(streams, choices):
-                self.observer.on_finish(self.model_name, stream.timing(), choice)
+                prompt_tokens = choice.usage.prompt_tokens if choice.usage is not None else 0
+                reason = choice.finish_reason or "cancelled"
+                self.observer.on_finish(self.model_name, stream.timing(), reason, prompt_tokens, len(choice.token_ids))
         span = self.span
         span.set_attribute("gen_ai.request.model", self.model_name)
         span.set_attribute("gen_ai.response.finish_reasons", [c.finish_reason or "cancelled" for c in choices])

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from starlette.responses import JSONResponse
 
-from serve_app.engine.io import RequestRefused
+from serve_app.wire.refusals import RequestRefused
 
 ErrorKind = Literal[
     "invalid_request",

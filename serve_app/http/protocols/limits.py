@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 from serve_app.config import ServerConfig
 from serve_app.engine.grammar_bounds import check_size
-from serve_app.engine.io import GenerateRequest, ModelInfo, RequestRefused, token_id_outside
 from serve_app.http.protocols.errors import ProtocolError, invalid
 from serve_app.http.protocols.fields import UnknownFields
 from serve_app.http.protocols.prepared import PreparedRequest
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.refusals import RequestRefused
+from serve_app.wire.requests import GenerateRequest, token_id_outside
 
 # Without `max_prompt_characters`, a prompt may have this many characters per token of the model's context:
 # far more than any text needs (English runs about 4 a token), and few enough to tokenize in well under a second.

@@ -8,7 +8,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from serve_app.engine.io import GenerateRequest, StreamDelta, TokenLogprob, Usage
+from serve_app.wire.outputs import StreamDelta, TokenLogprob, Usage
+from serve_app.wire.requests import GenerateRequest
 
 
 @dataclass

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from serve_app.engine.io import ModelInfo
 from serve_app.http.protocols.errors import invalid
+from serve_app.wire.model_card import ModelInfo
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 # The thinking budget each effort buys (None: up to the output's own limit); none and minimal do not think.

@@ -7,11 +7,11 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from serve_app.engine.io import GenerateRequest
 from serve_app.http.protocols.fields import RequestModel, UnknownFields, from_validation_error, refuse_fields, validate_body
 from serve_app.http.protocols.openai.schema import ChatMessage, ChatTool, chat_prompt
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import ToolSpec, plan
+from serve_app.wire.requests import GenerateRequest
 
 UNSUPPORTED = {
     "chat_template": "not supported: the model's own template is used",

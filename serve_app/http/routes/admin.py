@@ -9,9 +9,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from serve_app.http.context import context_of
-from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.anthropic import ERRORS as ANTHROPIC_ERRORS
 from serve_app.http.protocols.anthropic.models import anthropic_card, anthropic_page
+from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.openai import ERRORS
 from serve_app.http.routes.answering import answers_in
 from serve_app.metrics.prometheus import CONTENT_TYPE

@@ -8,9 +8,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from serve_app.engine.io import GenerateRequest
 from serve_app.http.body import read_json
 from serve_app.http.context import ServerContext, context_of
+from serve_app.wire.requests import GenerateRequest
 from serve_app.http.protocols.anthropic import (
     CountTokensRequest,
     MessagesBuilder,

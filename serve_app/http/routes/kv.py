@@ -7,11 +7,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from serve_app.engine.io import GetKVConfig, LookupKV, RetrieveKV, StoreKV
 from serve_app.http.body import check_media_type, read_body, read_json
 from serve_app.http.context import context_of
 from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.errors import ProtocolError, invalid
+from serve_app.wire.calls import GetKVConfig, LookupKV, RetrieveKV, StoreKV
 from serve_app.http.protocols.kv import (
     MEDIA_TYPE,
     TokensRequest,

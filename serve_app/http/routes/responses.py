@@ -8,8 +8,8 @@ from starlette.responses import JSONResponse, Response
 
 from serve_app.http.body import read_json
 from serve_app.http.context import ServerContext, context_of
-from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.base import ResponseFormatter
+from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.responses import ResponsesBuilder, ResponsesFormatter
 from serve_app.http.response_store import StoredResponse
 from serve_app.http.routes.answering import answers_in

@@ -3,8 +3,8 @@ model in (`generic` for templates that ignore tools, `native` for templates that
 
 from __future__ import annotations
 
-from serve_app.config import ToolFormat
 from serve_app.http.tools.generic import GenericFormat
+from serve_app.wire.model_card import ToolFormat
 from serve_app.http.tools.native import (
     DeepSeekV31Format,
     HarmonyFormat,

@@ -1,7 +1,7 @@
 """Tool calling in a chat template's own format, for templates that take `tools`: the template
 renders the tools and the earlier calls and results (Hugging Face's message shapes), the engine
 enforces the format with xgrammar's structural tag for it (`serve_app.engine.grammar`) and reads
-it back (`serve_app.engine.answer_reader`).
+it back (`serve_app.answers`).
 
 - `hermes`: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks after any text
   (Qwen2.5, Qwen3, Hermes, SmolLM3).

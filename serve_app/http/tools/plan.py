@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from serve_app.config import ToolFormat
-from serve_app.engine.answer_reader import AnswerReader, CallPart, TextPart, tool_reader
-from serve_app.engine.io import FunctionTool, StructuredOutput, ToolCallGrammar
+from serve_app.answers.by_format import tool_reader
+from serve_app.answers.reader import AnswerReader, CallPart, TextPart
 from serve_app.http.protocols.errors import invalid
+from serve_app.wire.model_card import ToolFormat
+from serve_app.wire.requests import FunctionTool, StructuredOutput, ToolCallGrammar
 
 ToolMode = Literal["auto", "required", "named"]
 

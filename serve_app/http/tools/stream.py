@@ -1,12 +1,12 @@
 """One tool-mode answer as it streams: its text as it comes, and each call (its id and tool, then its
 arguments) once its arguments are whole, so a client never sees a call that the token limit cuts or a
-repeat of an earlier call. Read off the new text of each delta (`serve_app.engine.answer_reader`)."""
+repeat of an earlier call. Read off the new text of each delta (`serve_app.answers`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serve_app.engine.answer_reader import AnswerPart, AnswerReader, CallPart
+from serve_app.answers.reader import AnswerPart, AnswerReader, CallPart
 from serve_app.http.tools.plan import new_call_id
 
 

@@ -7,15 +7,17 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput, Usage
 from serve_app.http.protocols.anthropic.schema import MessagesRequest, parse, thinking_signature
 from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, ResponseFormatter, sse
-from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.errors import ErrorFormat, ProtocolError
+from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import read_answer, tool_answer_reader
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta, Usage
+from serve_app.wire.requests import GenerateRequest, SamplingParams, StructuredOutput
 from serve_app.http.tools.stream import (
     ArgumentsDelta,
     CallStarted,

@@ -9,12 +9,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from serve_app.engine.io import CachePrefix, ModelInfo, StructuredOutput
 from serve_app.http.protocols.errors import invalid
 from serve_app.http.protocols.fields import RequestModel, UnknownFields, refuse_fields, text_only, validate_body
 from serve_app.http.protocols.reasoning import Thinking, reasoning_model
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools.plan import Prompt, ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, plan
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.requests import CachePrefix, StructuredOutput
 
 
 class CacheControl(RequestModel):

@@ -7,11 +7,13 @@ from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from serve_app.engine.io import GenerateRequest, ModelInfo, StreamDelta, StructuredOutput, TokenLogprob, Usage
 from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, ResponseFormatter, sse
-from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.errors import ErrorFormat, ProtocolError, invalid
 from serve_app.http.protocols.fields import refuse_fields, validate_body
+from serve_app.http.protocols.limits import RequestLimits
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta, TokenLogprob, Usage
+from serve_app.wire.requests import GenerateRequest, StructuredOutput
 from serve_app.http.protocols.openai.schema import (
     ACCEPTED,
     COMPLETIONS_ACCEPTED,

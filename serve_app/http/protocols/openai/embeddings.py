@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from serve_app.engine.io import GenerateRequest, ModelInfo, StreamDelta
 from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, ResponseFormatter
 from serve_app.http.protocols.errors import invalid
 from serve_app.http.protocols.fields import RequestModel, validate_body
@@ -22,6 +21,9 @@ from serve_app.http.protocols.openai.builders import ERRORS
 from serve_app.http.protocols.openai.schema import prompt_list
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
 from serve_app.http.served_models import adapter_of
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.requests import GenerateRequest
 
 
 class EmbeddingRequest(RequestModel):

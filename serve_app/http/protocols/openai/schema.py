@@ -8,11 +8,11 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from serve_app.engine.io import CachePrefix, SamplingParams, StructuredOutput
 from serve_app.http.protocols.errors import invalid
 from serve_app.http.protocols.fields import RequestModel, from_validation_error, text_only
 from serve_app.http.protocols.reasoning import Effort
 from serve_app.http.tools.plan import Prompt, ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, plan
+from serve_app.wire.requests import CachePrefix, SamplingParams, StructuredOutput
 
 CacheRetention = Literal["in_memory", "24h"]
 # OpenAI's `prompt_cache_retention`: in memory, a prefix lasts "5 to 10 minutes of inactivity"; extended, 24 hours.

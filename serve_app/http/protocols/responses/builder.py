@@ -8,11 +8,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from serve_app.engine.io import GenerateRequest, ModelInfo, SamplingParams, StreamDelta, StructuredOutput
 from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, ResponseFormatter, sse
-from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.fields import refuse_fields, validate_body
+from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.protocols.openai import ERRORS as OPENAI_ERRORS
 from serve_app.http.protocols.openai.schema import retained
 from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usage
@@ -22,6 +21,9 @@ from serve_app.http.response_store import StoredResponse
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import ToolCall, Turn, read_answer, tool_answer_reader
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.requests import GenerateRequest, SamplingParams, StructuredOutput
 from serve_app.http.tools.stream import (
     ArgumentsDelta,
     CallStarted,

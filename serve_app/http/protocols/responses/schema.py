@@ -9,12 +9,12 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from serve_app.engine.io import StructuredOutput
 from serve_app.http.protocols.errors import invalid
 from serve_app.http.protocols.fields import RequestModel, text_only, validate_part
 from serve_app.http.protocols.openai.schema import CacheRetention
 from serve_app.http.protocols.reasoning import Effort
 from serve_app.http.tools.plan import ToolCall, ToolCallFormat, ToolPlan, ToolSpec, Turn, call_names, plan
+from serve_app.wire.requests import StructuredOutput
 
 
 class InputText(RequestModel):

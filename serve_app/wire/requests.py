@@ -1,29 +1,18 @@
-"""Every type that crosses a boundary (HTTP layer to engine, host to engine process, ingress to replica over
-Ray, KV SDK to server): the request with its sampling and structured-output parts, the deltas that come
-back, the calls besides generating and their replies, a refusal, the model's card and the KV layout.
-Plain pydantic and frozen dataclasses: importing this loads no torch and no Ray."""
+"""What a request asks of an engine: its prompt or messages, sampling, structured output (a grammar or tool
+calls), stop rules, prompt-caching breakpoint, and the request as an engine runs it (token ids and salts)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve_app.config import GrammarConfig, ReasoningParser, ToolFormat
-
-if TYPE_CHECKING:
-    import torch
-
-# The tiers a cached page can come from besides the engine's own pool.
-TIER_NAMES = ("host", "disk", "cluster")
-# The bounds of the tokens-per-step histogram an engine keeps (vLLM's `iteration_tokens_total`).
-ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+from serve_app.wire.model_card import ToolFormat
 
 
-# -- what a request asks for -------------------------------------------------------------------
 class SamplingParams(BaseModel):
     """How one request picks its tokens. `temperature=0` is greedy; `top_k` 0 or -1 disables top-k."""
 
@@ -139,8 +128,6 @@ class StructuredOutput(BaseModel):
         """A canonical text of the constraint: equal constraints compile once."""
         return json.dumps({self.kind: self._constraints()[self.kind]}, sort_keys=True, separators=(",", ":"))
 
-
-FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 # What the server gives a chat template itself; `chat_template_kwargs` may not set them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({
@@ -302,57 +289,6 @@ def token_id_outside(request: GenerateRequest, prompt_ids: Sequence[int], vocab_
 
 
 @dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # of the prompt, found in the prefix cache
-    cache_written_tokens: int = 0  # of the prompt, not found there but kept there for its breakpoint's TTL
-    reasoning_tokens: int = 0  # of the completion, the thinking's (its tags included)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A sampled token's log-probability under the model, and the most likely tokens at its position."""
-
-    token_id: int
-    token: str
-    logprob: float
-    top: tuple[tuple[int, str, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """New text and token ids for one request. The last delta has a finish reason and the usage."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()
-    stop_string: str | None = None
-    usage: Usage | None = None
-    error: str | None = None
-    queue_time_s: float | None = None  # on the first delta: how long the request waited to be admitted
-    reasoning: str = ""  # new thinking text, apart from the answer's `text` (an engine with a reasoning_parser)
-    embedding: tuple[float, ...] | None = None  # an `embed` request's (its only delta)
-
-
-def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
-    """Several consecutive deltas as one (for a consumer that fell behind)."""
-    if len(deltas) == 1:
-        return deltas[0]
-    last = deltas[-1]
-    return replace(
-        last,
-        text="".join(d.text for d in deltas),
-        reasoning="".join(d.reasoning for d in deltas),
-        token_ids=tuple(t for d in deltas for t in d.token_ids),
-        logprobs=tuple(lp for d in deltas for lp in d.logprobs),
-        usage=last.usage or next((d.usage for d in deltas if d.usage is not None), None),
-        queue_time_s=next((d.queue_time_s for d in deltas if d.queue_time_s is not None), None),
-    )
-
-
-@dataclass(frozen=True)
 class EncodedRequest:
     """What an engine runs: the request as asked, its prompt as token ids (the chat template rendered, once,
     before routing), the salt its pages are cached under, and the trace context (W3C `traceparent`) of the
@@ -370,141 +306,3 @@ class EncodedRequest:
         the base model's), so the adapter is part of it. The engine and the request router both use it."""
         lora = self.request.lora
         return self.engine_salt if lora is None else f"{self.engine_salt}\x00lora:{lora}"
-
-
-# -- refusals --------------------------------------------------------------------------------------
-RefusalKind = Literal["invalid_request", "not_ready", "overloaded"]
-
-
-class RequestRefused(Exception):
-    """The engine would not take a request or a call. Raised where that is found (the engine's checks raise the
-    kinds in `serve_app.errors`), it crosses the engine's process and Ray as it is (a Ray stream yields it as a
-    value), and the HTTP side turns it into its protocol's error at one place (`ProtocolError.of`)."""
-
-    kind: RefusalKind = "invalid_request"
-
-    def __init__(self, message: str, param: str | None = None, kind: RefusalKind | None = None) -> None:
-        super().__init__(f"{param}: {message}" if param else message)
-        self.message = message
-        self.param = param
-        if kind is not None:
-            self.kind = kind
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # subclasses take other arguments: rebuild by fields
-        return _rebuild_refusal, (type(self), self.message, self.param, self.kind)
-
-
-def _rebuild_refusal(cls: type[RequestRefused], message: str, param: str | None, kind: RefusalKind) -> RequestRefused:
-    refused = cls.__new__(cls)
-    RequestRefused.__init__(refused, message, param, kind)
-    return refused
-
-
-# -- calls besides generating, and their replies ------------------------------------------------------
-@dataclass(frozen=True)
-class GetStats:
-    """The engine's counters and queue lengths now."""
-
-
-@dataclass(frozen=True)
-class GetKVConfig:
-    """What a KV tensor means: page size, geometry, dtype, RoPE (answers a `KVConfig`)."""
-
-
-@dataclass(frozen=True)
-class LookupKV:
-    """How much of `tokens` is cached under `cache_salt`, and where (answers a `KVLookup`)."""
-
-    tokens: list[int]
-    cache_salt: str = ""
-
-
-@dataclass(frozen=True)
-class KVLookup:
-    """`cached_tokens`: the leading tokens, in whole pages, in the engine's pool (what a retrieve returns);
-    `pages`: the tier holding each leading page held anywhere ("pool", then "host", "disk" or "cluster")."""
-
-    cached_tokens: int
-    pages: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RetrieveKV:
-    """The KV of the longest cached whole-page prefix of `tokens` (None under one page)."""
-
-    tokens: list[int]
-    cache_salt: str = ""
-
-
-@dataclass(frozen=True)
-class StoreKV:
-    """Cache `kv` as the KV of `tokens` under `cache_salt` (answers a `StoreResult`)."""
-
-    kv: torch.Tensor
-    tokens: list[int]
-    cache_salt: str = ""
-
-
-@dataclass(frozen=True)
-class ListAdapters:
-    """The LoRA adapters the engine can run with: its `lora_paths` and the adapter folders under its
-    `dynamic_lora_loading_path`."""
-
-
-EngineCall = GetStats | GetKVConfig | LookupKV | RetrieveKV | StoreKV | ListAdapters
-
-
-@dataclass(frozen=True)
-class KVConfig:
-    """What a KV tensor means: its page size, geometry, dtype, and the model's rotary embedding.
-
-    `rope_inv_freq` holds the rotary frequencies of each of the `rotary_dim / 2` pairs of a head
-    (pairs are `(i, i + rotary_dim / 2)`, as in Hugging Face models), so K can be moved to other
-    positions whatever the RoPE variant.
-    """
-
-    page_size: int
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    dtype: str
-    rope_type: str
-    rope_theta: float | None
-    rotary_dim: int
-    rope_inv_freq: tuple[float, ...]
-
-    def to_dict(self) -> dict[str, object]:
-        return {**asdict(self), "rope_inv_freq": list(self.rope_inv_freq)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, object]) -> KVConfig:
-        return cls(**{**data, "rope_inv_freq": tuple(data["rope_inv_freq"])})  # type: ignore[arg-type]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        import torch  # only where a tensor is made: the types here load no torch
-
-        return getattr(torch, self.dtype)
-
-
-@dataclass(frozen=True)
-class StoreResult:
-    """How many pages a store wrote, and how many were already cached (and skipped)."""
-
-    stored_pages: int
-    deduplicated_pages: int
-
-
-# -- the model ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelInfo:
-    """The model a server answers for."""
-
-    id: str
-    max_model_len: int
-    created: int
-    tool_format: ToolFormat
-    vocab_size: int  # token ids a request may name are below it
-    hidden_size: int  # an embedding's length
-    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # what a request's constraint may cost
-    reasoning_parser: ReasoningParser | None = None  # how the model's thinking is told from its answer, if it thinks
