@@ -19,13 +19,13 @@ from serve_app.engine.engine import InferenceEngine
 from serve_app.engine.harmony import MARKERS as HARMONY_MARKERS
 from serve_app.model.loader import resolve_model_path
 from tests.browser import open_browser
-from tests.model_families import qwen3_tokenizer, template
 from tests.inprocess import (
     InProcessServer,
     anthropic_client,
     engine_server,
     openai_client,
 )
+from tests.model_families import qwen3_tokenizer, template
 from tests.references import ReferenceModel
 from tests.served import FOLLOWER_IDLE_S, router_config
 from tests.tiny_models import build_tiny_model, tokenizer_with_tokens

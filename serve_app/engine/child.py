@@ -24,8 +24,6 @@ from multiprocessing.connection import Connection
 
 from serve_app.config import EngineConfig
 from serve_app.engine.engine import InferenceEngine
-from serve_app.wire.outputs import StreamDelta
-from serve_app.wire.requests import EncodedRequest
 from serve_app.engine.messages import (
     Abort,
     Accepted,
@@ -47,7 +45,9 @@ from serve_app.engine.messages import (
     send,
 )
 from serve_app.kv.tiers.tier_chain import RayTiers
+from serve_app.wire.outputs import StreamDelta
 from serve_app.wire.refusals import EngineOverloadedError
+from serve_app.wire.requests import EncodedRequest
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from serve_app.engine.answer_guard import AnswerGuard
 from serve_app.answers.by_format import reader_for
+from serve_app.engine.answer_guard import AnswerGuard
 from serve_app.engine.grammar_bounds import check_size
 from serve_app.engine.harmony_grammar import harmony_answer, harmony_calls
 from serve_app.wire.model_card import GrammarConfig

@@ -31,9 +31,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serve_app.config import EngineConfig
-from serve_app.wire.calls import EngineCall
-from serve_app.wire.outputs import StreamDelta
-from serve_app.wire.requests import EncodedRequest, GenerateRequest
 from serve_app.engine.messages import (
     Abort,
     Accepted,
@@ -54,7 +51,10 @@ from serve_app.engine.messages import (
     send,
 )
 from serve_app.engine.request_stream import RequestStream
+from serve_app.wire.calls import EngineCall
+from serve_app.wire.outputs import StreamDelta
 from serve_app.wire.page_events import PageEventBatch, PageEventBuffer
+from serve_app.wire.requests import EncodedRequest, GenerateRequest
 
 logger = logging.getLogger(__name__)
 

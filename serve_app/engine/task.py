@@ -13,11 +13,10 @@ import torch
 
 from serve_app.engine.speculation import TaskSpeculation
 from serve_app.engine.stopping import StopStringMatcher
-from serve_app.wire.outputs import FinishReason, StreamDelta, TokenLogprob, Usage
-from serve_app.wire.requests import SamplingParams
-
 from serve_app.kv.tiers.pages import LoadedPages
 from serve_app.model.detokenizer import IncrementalDetokenizer
+from serve_app.wire.outputs import FinishReason, StreamDelta, TokenLogprob, Usage
+from serve_app.wire.requests import SamplingParams
 
 if TYPE_CHECKING:
     import xgrammar

@@ -17,7 +17,6 @@ from serve_app.http.protocols.errors import ProtocolError, invalid
 from serve_app.http.protocols.limits import RequestLimits
 from serve_app.http.response_store import LocalResponses, Responses, ResponseStore
 from serve_app.http.served_models import ServedModels
-from serve_app.wire.model_card import ModelInfo
 from serve_app.http.tenants import (
     Tenant,
     TenantDirectory,
@@ -25,6 +24,7 @@ from serve_app.http.tenants import (
     check_client_salt,
 )
 from serve_app.metrics.prometheus import ServerMetrics
+from serve_app.wire.model_card import ModelInfo
 
 
 @dataclass

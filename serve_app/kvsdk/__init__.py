@@ -8,7 +8,6 @@
 """
 
 from serve_app.kvsdk.batched import BatchedStream
-from serve_app.wire.calls import KVConfig
 from serve_app.kvsdk.completion import (
     CompletionError,
     CompletionOutput,
@@ -19,6 +18,7 @@ from serve_app.kvsdk.context import KVContext, KVError, connect
 from serve_app.kvsdk.metrics import Metrics, StreamPerfMetrics
 from serve_app.kvsdk.rope import rerotate_k
 from serve_app.kvsdk.stream import RequestStream, RequestStreamError, create_request
+from serve_app.wire.calls import KVConfig
 
 __all__ = [
     "BatchedStream",

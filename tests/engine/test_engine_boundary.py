@@ -17,8 +17,6 @@ import pytest
 
 from serve_app.engine.child import EngineChild
 from serve_app.engine.engine import InferenceEngine
-from serve_app.wire.calls import RetrieveKV
-from serve_app.wire.requests import GenerateRequest
 from serve_app.engine.messages import (
     Accepted,
     Call,
@@ -33,8 +31,10 @@ from serve_app.engine.messages import (
     send,
 )
 from serve_app.kv.prefix_cache import page_hashes
+from serve_app.wire.calls import RetrieveKV
 from serve_app.wire.page_events import PageEventBatch
 from serve_app.wire.refusals import EngineOverloadedError
+from serve_app.wire.requests import GenerateRequest
 
 OPTIONS = dict(kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=512)
 LONG_PROMPT = list(range(1, 449))  # 28 pages: its KV is far bigger than the call channel's socket buffer

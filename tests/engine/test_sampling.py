@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from serve_app import GenerateRequest, InferenceEngine
-from serve_app.wire.requests import SamplingParams
 from serve_app.engine.sampling import (
     MinPStrategy,
     PenaltyStrategy,
@@ -17,6 +16,7 @@ from serve_app.engine.sampling import (
     TopPStrategy,
     sample,
 )
+from serve_app.wire.requests import SamplingParams
 
 CPU = torch.device("cpu")
 LOGITS = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))

@@ -15,8 +15,8 @@ import openai
 import pytest
 import yaml
 
-from serve_app import InferenceEngine
 from deployments.access import ServerAccess, read_access
+from serve_app import InferenceEngine
 from serve_app.config import ServerConfig
 from serve_app.http.tenants import OPEN, OPEN_GENERATION, Tenant, TenantDirectory, key_digest, load_keys
 from tests.inprocess import MODEL, InProcessServer, engine_server

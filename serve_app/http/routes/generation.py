@@ -10,7 +10,6 @@ from starlette.responses import JSONResponse, Response
 
 from serve_app.http.body import read_json
 from serve_app.http.context import ServerContext, context_of
-from serve_app.wire.requests import GenerateRequest
 from serve_app.http.protocols.anthropic import (
     CountTokensRequest,
     MessagesBuilder,
@@ -23,6 +22,7 @@ from serve_app.http.routes.answering import answers_in
 from serve_app.http.streaming import ClosingStreamingResponse
 from serve_app.http.tenants import Tenant
 from serve_app.http.tools import format_for
+from serve_app.wire.requests import GenerateRequest
 
 router = APIRouter()
 messages = MessagesBuilder()

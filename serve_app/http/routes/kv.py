@@ -11,7 +11,6 @@ from serve_app.http.body import check_media_type, read_body, read_json
 from serve_app.http.context import context_of
 from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.errors import ProtocolError, invalid
-from serve_app.wire.calls import GetKVConfig, LookupKV, RetrieveKV, StoreKV
 from serve_app.http.protocols.kv import (
     MEDIA_TYPE,
     TokensRequest,
@@ -21,6 +20,7 @@ from serve_app.http.protocols.kv import (
 )
 from serve_app.http.protocols.openai import ERRORS
 from serve_app.http.routes.answering import answers_in
+from serve_app.wire.calls import GetKVConfig, LookupKV, RetrieveKV, StoreKV
 
 router = APIRouter(prefix="/v1/kv")
 answers = answers_in(ERRORS)  # errors in OpenAI's shape

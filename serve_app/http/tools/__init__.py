@@ -4,7 +4,6 @@ model in (`generic` for templates that ignore tools, `native` for templates that
 from __future__ import annotations
 
 from serve_app.http.tools.generic import GenericFormat
-from serve_app.wire.model_card import ToolFormat
 from serve_app.http.tools.native import (
     DeepSeekV31Format,
     HarmonyFormat,
@@ -14,6 +13,7 @@ from serve_app.http.tools.native import (
     Qwen3CoderFormat,
 )
 from serve_app.http.tools.plan import ToolCallFormat
+from serve_app.wire.model_card import ToolFormat
 
 _FORMATS: dict[ToolFormat, ToolCallFormat] = {
     "generic": GenericFormat(),

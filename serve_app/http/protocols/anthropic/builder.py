@@ -15,9 +15,6 @@ from serve_app.http.protocols.prepared import Choice, PreparedRequest, total_usa
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import read_answer, tool_answer_reader
-from serve_app.wire.model_card import ModelInfo
-from serve_app.wire.outputs import StreamDelta, Usage
-from serve_app.wire.requests import GenerateRequest, SamplingParams, StructuredOutput
 from serve_app.http.tools.stream import (
     ArgumentsDelta,
     CallStarted,
@@ -25,6 +22,9 @@ from serve_app.http.tools.stream import (
     ToolStream,
     ToolStreamEvent,
 )
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta, Usage
+from serve_app.wire.requests import GenerateRequest, SamplingParams, StructuredOutput
 
 
 def _tool_blocks(constraint: StructuredOutput, choice: Choice) -> tuple[list[dict[str, Any]], str]:

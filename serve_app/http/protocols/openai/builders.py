@@ -11,9 +11,6 @@ from serve_app.http.protocols.base import DEFAULT_LIMITS, ResponseBuilder, Respo
 from serve_app.http.protocols.errors import ErrorFormat, ProtocolError, invalid
 from serve_app.http.protocols.fields import refuse_fields, validate_body
 from serve_app.http.protocols.limits import RequestLimits
-from serve_app.wire.model_card import ModelInfo
-from serve_app.wire.outputs import StreamDelta, TokenLogprob, Usage
-from serve_app.wire.requests import GenerateRequest, StructuredOutput
 from serve_app.http.protocols.openai.schema import (
     ACCEPTED,
     COMPLETIONS_ACCEPTED,
@@ -37,6 +34,9 @@ from serve_app.http.tools.stream import (
     ToolStream,
     ToolStreamEvent,
 )
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta, TokenLogprob, Usage
+from serve_app.wire.requests import GenerateRequest, StructuredOutput
 
 
 _ERROR_TYPES = {

@@ -21,9 +21,6 @@ from serve_app.http.response_store import StoredResponse
 from serve_app.http.served_models import adapter_of
 from serve_app.http.tools import format_for
 from serve_app.http.tools.plan import ToolCall, Turn, read_answer, tool_answer_reader
-from serve_app.wire.model_card import ModelInfo
-from serve_app.wire.outputs import StreamDelta
-from serve_app.wire.requests import GenerateRequest, SamplingParams, StructuredOutput
 from serve_app.http.tools.stream import (
     ArgumentsDelta,
     CallStarted,
@@ -31,6 +28,9 @@ from serve_app.http.tools.stream import (
     ToolStream,
     ToolStreamEvent,
 )
+from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.requests import GenerateRequest, SamplingParams, StructuredOutput
 
 
 def _usage(prepared: PreparedRequest, choice: Choice) -> dict[str, Any]:
