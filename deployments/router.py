@@ -166,7 +166,7 @@ def _prompt_of(args: Sequence[Any]) -> tuple[list[int], str] | None:
     if isinstance(first, EncodedRequest):
         return first.prompt_ids, first.prefix_salt
     if isinstance(first, (LookupKV, RetrieveKV, StoreKV)):
-        return first.tokens, first.cache_salt
+        return first.tokens, first.tenant_salt
     return None
 
 

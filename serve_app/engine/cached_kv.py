@@ -45,40 +45,40 @@ class CachedKV:
             rope_inv_freq=tuple(inv_freq.tolist()),
         )
 
-    def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+    def lookup(self, tokens: Sequence[int], tenant_salt: str = "") -> int:
         """How many leading tokens of `tokens`, in whole pages, are in the prefix cache."""
         transfer, ids = self._transfer_or_refuse(), _token_list(tokens)
-        return self.loop.call(lambda: transfer.lookup(ids, cache_salt))
+        return self.loop.call(lambda: transfer.lookup(ids, tenant_salt))
 
-    def locate(self, tokens: Sequence[int], cache_salt: str = "") -> list[str]:
+    def locate(self, tokens: Sequence[int], tenant_salt: str = "") -> list[str]:
         """The tier holding each leading whole page of `tokens` held anywhere: "pool" (the engine's own
         pages), then "host", "disk" or "cluster" for the pages that continue beyond the pool."""
         transfer, ids = self._transfer_or_refuse(), _token_list(tokens)
-        in_pool = self.loop.call(lambda: transfer.lookup(ids, cache_salt)) // transfer.page_size
+        in_pool = self.loop.call(lambda: transfer.lookup(ids, tenant_salt)) // transfer.page_size
         where = ["pool"] * in_pool
         if self.tiers is not None:
-            where += self.tiers.where(list(page_hashes(ids, transfer.page_size, cache_salt))[in_pool:])
+            where += self.tiers.where(list(page_hashes(ids, transfer.page_size, tenant_salt))[in_pool:])
         return where
 
-    def find(self, tokens: Sequence[int], cache_salt: str = "") -> KVLookup:
+    def find(self, tokens: Sequence[int], tenant_salt: str = "") -> KVLookup:
         """The tokens of `tokens` in the pool (whole pages) and where each leading page is held."""
-        pages = self.locate(tokens, cache_salt)
+        pages = self.locate(tokens, tenant_salt)
         return KVLookup(pages.count("pool") * self._transfer_or_refuse().page_size, tuple(pages))
 
-    def retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
+    def retrieve(self, tokens: Sequence[int], tenant_salt: str = "") -> torch.Tensor | None:
         """`[2, n_layers, T, n_kv_heads * head_dim]` for the longest cached whole-page prefix; None under a page."""
         transfer, ids = self._transfer_or_refuse(), _token_list(tokens)
-        return self.loop.call(lambda: transfer.retrieve(ids, cache_salt))
+        return self.loop.call(lambda: transfer.retrieve(ids, tenant_salt))
 
-    def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
+    def store(self, kv: torch.Tensor, tokens: Sequence[int], tenant_salt: str = "") -> bool:
         """Cache `kv` as the KV of `tokens` (whole pages); False when every page was cached already."""
-        return self.store_pages(kv, tokens, cache_salt).stored_pages > 0
+        return self.store_pages(kv, tokens, tenant_salt).stored_pages > 0
 
-    def store_pages(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> StoreResult:
+    def store_pages(self, kv: torch.Tensor, tokens: Sequence[int], tenant_salt: str = "") -> StoreResult:
         """As `store`, answering how many pages were stored and how many were already cached."""
         transfer, ids = self._transfer_or_refuse(), _token_list(tokens)
         transfer.check(kv, ids)
-        return self.loop.call(lambda: transfer.store(kv, ids, cache_salt))
+        return self.loop.call(lambda: transfer.store(kv, ids, tenant_salt))
 
     def _transfer_or_refuse(self) -> KVTransfer:
         if self._transfer is None:

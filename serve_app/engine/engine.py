@@ -10,23 +10,19 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-import torch
-
 from serve_app.config import EngineConfig
 from serve_app.engine.activity_log import ActivityLog, log_start
 from serve_app.engine.cached_kv import CachedKV
 from serve_app.engine.conveniences import Conveniences
 from serve_app.engine.grammar import GrammarCompiler
-from serve_app.engine.harmony import HarmonyMarkers
+from serve_app.engine.intake import TaskIntake, reasoning_markers, reasoning_parser
 from serve_app.engine.loop import EngineLoop
-from serve_app.engine.reasoning import ReasoningMarkers, ThinkingReader, ThinkingTags
 from serve_app.engine.result import GenerateResult
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.speculation import Speculator
 from serve_app.engine.stats import engine_stats
 from serve_app.engine.step import ModelStep
-from serve_app.engine.stopping import StopStringMatcher
-from serve_app.engine.task import CachePin, DeltaSink, Task
+from serve_app.engine.task import DeltaSink, Task
 from serve_app.engine.tier_loading import TierLoading
 from serve_app.kv.base import KVCache
 from serve_app.kv.factory import build_kv_cache
@@ -34,15 +30,13 @@ from serve_app.kv.page_cache import PageCache
 from serve_app.kv.tiers.layout import layout_key
 from serve_app.kv.tiers.tier_chain import RayTiers, TierChain
 from serve_app.kv.transfer import KVTransfer
-from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
 from serve_app.model.tokenizer import Tokenizer
 from serve_app.wire.calls import EngineCall, GetKVConfig, GetStats, ListAdapters, LookupKV, RetrieveKV, StoreKV
-from serve_app.wire.model_card import ReasoningParser, ToolFormat
+from serve_app.wire.model_card import ToolFormat
 from serve_app.wire.outputs import StreamDelta
 from serve_app.wire.page_events import PageEventLog
-from serve_app.wire.refusals import InvalidRequestError
-from serve_app.wire.requests import EncodedRequest, GenerateRequest, token_id_outside
+from serve_app.wire.requests import EncodedRequest, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -71,37 +65,6 @@ def _on_a_thread_of_its_own(build: Callable[[], T]) -> T:
     if failure:
         raise failure[0]
     return outcome[0]
-
-
-# Tool-call formats whose markers are their models' special tokens (Mistral's [TOOL_CALLS], DeepSeek's
-# <｜tool▁call▁begin｜>, gpt-oss's <|channel|>): their answers keep special tokens in their text, or the calls could
-# not be read (as vLLM does).
-_MARKED_BY_SPECIAL_TOKENS = frozenset({"mistral", "deepseek_v31", "openai"})
-
-
-def _skips_special_tokens(request: GenerateRequest) -> bool:
-    """Whether the request's text leaves special tokens out: as it asks, unless its tool calls are marked by them."""
-    spec = request.structured_output
-    marked = spec is not None and spec.tool_calls is not None and spec.tool_calls.format in _MARKED_BY_SPECIAL_TOKENS
-    return request.skip_special_tokens and not marked
-
-
-def _reasoning_parser(asked: ReasoningParser | None, tool_format: ToolFormat) -> ReasoningParser | None:
-    """The engine's reasoning parser: the one asked for; a harmony model's channels (tool format `openai`) are read
-    unless another is asked, which such a model cannot have."""
-    if tool_format != "openai":
-        if asked == "openai_gptoss":
-            raise ValueError("reasoning_parser openai_gptoss reads gpt-oss's channels: its tool_call_format is openai")
-        return asked
-    if asked not in (None, "openai_gptoss"):
-        raise ValueError(f"reasoning_parser {asked}: a harmony model (tool_call_format openai) answers in channels")
-    return "openai_gptoss"
-
-
-def _reasoning_markers(parser: ReasoningParser | None, tokenizer: Tokenizer) -> ReasoningMarkers | None:
-    if parser is None:
-        return None
-    return HarmonyMarkers.of(tokenizer) if parser == "openai_gptoss" else ThinkingTags.of(parser, tokenizer)
 
 
 class InferenceEngine(Conveniences):
@@ -134,8 +97,8 @@ class InferenceEngine(Conveniences):
         self.hidden_size = self.runner.hidden_size
         chosen = self.config.model.tool_call_format
         self.tool_format: ToolFormat = self.tokenizer.tool_format if chosen == "auto" else chosen
-        self.reasoning_parser = _reasoning_parser(self.config.model.reasoning_parser, self.tool_format)
-        self.reasoning_markers = _reasoning_markers(self.reasoning_parser, self.tokenizer)
+        self.reasoning_parser = reasoning_parser(self.config.model.reasoning_parser, self.tool_format)
+        self.reasoning_markers = reasoning_markers(self.reasoning_parser, self.tokenizer)
         self.grammars = GrammarCompiler(
             self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids, self.config.grammar,
             harmony=self.reasoning_parser == "openai_gptoss",
@@ -145,6 +108,9 @@ class InferenceEngine(Conveniences):
             self.cache, self.config.scheduler, self.max_model_len, Speculator(speculative) if speculative is not None else None
         )
         self.loop = EngineLoop(self.scheduler, ModelStep(self.runner, self.scheduler, self.grammars))
+        self.intake = TaskIntake(
+            self.runner, self.cache, self.grammars, self.reasoning_markers, self.config.scheduler.scheduling_policy
+        )
         self.tiers = self._start_tiers()  # None without kv_tiers
         transfer = (
             KVTransfer(self.cache, self.runner.vocab_size)
@@ -198,9 +164,9 @@ class InferenceEngine(Conveniences):
     # -- submitting ---------------------------------------------------------------------------
     def encode(self, request: GenerateRequest) -> EncodedRequest:
         """A request asked in process, as the engine runs it: its prompt's ids by this engine's tokenizer, its own
-        `cache_salt` as the engine salt. (A server encodes where its HTTP layer runs, with the tenant's salt.)"""
+        `client_salt` as the tenant salt. (A server encodes where its HTTP layer runs, with the tenant's salt.)"""
         ids = self.tokenizer.prompt_ids(request)
-        return EncodedRequest(request, ids, request.cache_salt or "", pin_tokens=self.tokenizer.cached_prefix_length(request, ids))
+        return EncodedRequest(request, ids, request.client_salt or "", pin_tokens=self.tokenizer.cached_prefix_length(request, ids))
 
     def submit(
         self, request: GenerateRequest | EncodedRequest, withdrawn: Callable[[], bool] = lambda: False
@@ -219,59 +185,7 @@ class InferenceEngine(Conveniences):
         InvalidRequestError for a request the engine will not run, EngineOverloadedError when too many wait, and
         CompileAbandoned when `withdrawn()` turns true while its grammar compiles."""
         encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
-        request, prompt_ids = encoded.request, encoded.prompt_ids
-        if request.embed:
-            self._check_embeddable(request, prompt_ids)
-        max_tokens = 1 if request.embed else self._check_lengths(prompt_ids, request.max_tokens)
-        params = request.sampling
-        outside = token_id_outside(request, prompt_ids, self.runner.vocab_size)
-        if outside is not None:
-            raise InvalidRequestError(*outside)
-        if request.priority and self.config.scheduler.scheduling_policy != "priority":
-            raise InvalidRequestError("priority", "this engine schedules first come, first served (scheduling_policy: fcfs)")
-        # Compiling a grammar takes milliseconds to a second: here, never on the scheduler thread.
-        spec = request.structured_output
-        analysis = request.thinking_token_budget != 0  # a harmony grammar without thinking has no analysis channel
-        matcher = self.grammars.matcher(spec, withdrawn, analysis) if spec is not None else None
-        guard = self.grammars.guard(request)
-        stop_ids = set(request.stop_token_ids)
-        if not request.ignore_eos:
-            stop_ids |= self.tokenizer.eos_token_ids
-        thinking = self._thinking(request, prompt_ids)
-        if thinking is not None and params.allowed_token_ids is not None:  # the model's markers stay choosable
-            markers = self.reasoning_markers.token_ids  # type: ignore[union-attr]
-            params = params.model_copy(update={"allowed_token_ids": [*params.allowed_token_ids, *markers]})
-        slot = self._adapter_slot(request.lora)
-        task_id = next(self._task_ids)
-        generator = None
-        if params.seed is not None and not params.is_greedy:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(params.seed)
-        prefix = request.cache_prefix
-        pin = CachePin(encoded.pin_tokens, prefix.ttl_s) if prefix is not None and encoded.pin_tokens else None
-        task = Task(
-            task_id=task_id,
-            prompt_len=len(prompt_ids),
-            tokens=list(prompt_ids),
-            params=params,
-            max_tokens=max_tokens,
-            stop_token_ids=frozenset(stop_ids),
-            cache_salt=encoded.prefix_salt,
-            out=out,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, _skips_special_tokens(request)),
-            stop_strings=StopStringMatcher(request.stop, request.include_stop_str_in_output),
-            generator=generator,
-            min_tokens=request.min_tokens,
-            priority=request.priority,
-            pin=pin,
-            logprobs=request.logprobs,
-            matcher=matcher,
-            guard=guard,
-            thinking=thinking,
-            embed=request.embed,
-            adapter_slot=slot,
-            on_finished=self._releaser(slot),
-        )
+        task = self.intake.task(encoded, next(self._task_ids), out, withdrawn)
         try:
             self.loop.submit(task)
         except BaseException:
@@ -279,41 +193,6 @@ class InferenceEngine(Conveniences):
                 task.on_finished()
             raise
         return task
-
-    def _check_embeddable(self, request: GenerateRequest, prompt_ids: list[int]) -> None:
-        """An embed request is a prompt that fits the context, with nothing to generate."""
-        if request.messages is not None or request.structured_output is not None or request.suffix is not None:
-            raise InvalidRequestError("embed", "a prompt's embedding: give a prompt, without messages, a grammar or a suffix")
-        limit = min(self.max_model_len, self.cache.max_task_tokens)
-        if len(prompt_ids) > limit:
-            raise InvalidRequestError("input", f"{len(prompt_ids)} tokens are over the {limit} an embedding can read")
-
-    def _thinking(self, request: GenerateRequest, prompt_ids: list[int]) -> ThinkingReader | None:
-        """A chat request's reader of its thinking, where this engine's model reasons (its budget
-        `thinking_token_budget`); a plain prompt's output is all text, as the model writes it."""
-        markers = self.reasoning_markers
-        if markers is None or request.messages is None:
-            if request.thinking_token_budget is not None:
-                why = "no reasoning_parser" if markers is None else "a chat request's only"
-                raise InvalidRequestError("thinking_token_budget", f"this engine reads no thinking span here ({why})")
-            return None
-        spec = request.structured_output
-        return markers.span(prompt_ids, request.thinking_token_budget, spec is not None and spec.tool_calls is not None)
-
-    def _adapter_slot(self, name: str | None) -> int | None:
-        """The slot of LoRA adapter `name`, held for one request (None for the base model)."""
-        if name is None:
-            return None
-        adapters = self.runner.adapters
-        if adapters is None:
-            raise InvalidRequestError("lora", "this engine serves no adapters (set dynamic_lora_loading_path or lora_paths)")
-        return adapters.acquire(name)
-
-    def _releaser(self, slot: int | None) -> Callable[[], None] | None:
-        adapters = self.runner.adapters
-        if slot is None or adapters is None:
-            return None
-        return lambda: adapters.release(slot)
 
     async def submit_async(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
         """`submit` off the event loop (it may tokenize, and compiles grammars). A caller cancelled meanwhile leaves
@@ -343,26 +222,6 @@ class InferenceEngine(Conveniences):
         if not submitting.cancelled() and submitting.exception() is None:
             self.abort(submitting.result().task_id)
 
-    def _check_lengths(self, prompt_ids: list[int], max_tokens: int | None) -> int:
-        """The request's token budget; the prompt and `max_tokens` must fit the context and the cache."""
-        limit = min(self.max_model_len, self.cache.max_task_tokens)
-        if len(prompt_ids) >= limit:
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(prompt_ids)} tokens leave no room to generate "
-                f"(max_model_len={self.max_model_len}, the cache holds {self.cache.max_task_tokens} tokens per request)",
-            )
-        room = limit - len(prompt_ids)
-        if max_tokens is None:
-            return room
-        if max_tokens > room:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"{max_tokens} new tokens do not fit: the prompt has {len(prompt_ids)} tokens and the context "
-                f"holds {limit}, so at most {room} can be generated",
-            )
-        return max_tokens
-
     def record_page_events(self) -> PageEventLog | None:
         """Log the page hashes the prefix cache publishes and drops (None without one). Drain the log on
         the scheduler thread (a step listener): the cache changes there."""
@@ -382,12 +241,12 @@ class InferenceEngine(Conveniences):
                 return self.get_stats()
             case GetKVConfig():
                 return self.kv.config()
-            case LookupKV(tokens, cache_salt):
-                return self.kv.find(tokens, cache_salt)
-            case RetrieveKV(tokens, cache_salt):
-                return self.kv.retrieve(tokens, cache_salt)
-            case StoreKV(kv, tokens, cache_salt):
-                return self.kv.store_pages(kv, tokens, cache_salt)
+            case LookupKV(tokens, tenant_salt):
+                return self.kv.find(tokens, tenant_salt)
+            case RetrieveKV(tokens, tenant_salt):
+                return self.kv.retrieve(tokens, tenant_salt)
+            case StoreKV(kv, tokens, tenant_salt):
+                return self.kv.store_pages(kv, tokens, tenant_salt)
             case ListAdapters():
                 return self.runner.adapters.available() if self.runner.adapters is not None else []
         raise TypeError(f"not an engine call: {call!r}")

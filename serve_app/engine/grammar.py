@@ -9,9 +9,9 @@ refused, and one whose request has gone is abandoned (a compile that has started
 bounds keep that short). Equal constraints compile once (xgrammar's cache, held to `grammar_cache_bytes`).
 JSON is compiled without free whitespace, so a small model cannot fill `max_tokens` with spaces. Tool calls in the generic format are a JSON schema (the
 calls, or the answer); in a template's own format, xgrammar's structural tag for that format
-(`get_model_structural_tag`), or that tag's calls beside the answer's schema. A harmony model's grammars
-(gpt-oss's) hold its message stream: the constraint applies to the final message or the calls
-(`serve_app.engine.harmony_grammar`).
+(`get_model_structural_tag`), or that tag's calls beside the answer's schema (`serve_app.engine.grammar_formats`).
+A harmony model's grammars (gpt-oss's) hold its message stream: the constraint applies to the final message or the
+calls (`serve_app.engine.harmony_grammar`).
 """
 
 from __future__ import annotations
@@ -31,20 +31,15 @@ import torch
 from serve_app.answers.by_format import reader_for
 from serve_app.engine.answer_guard import AnswerGuard
 from serve_app.engine.grammar_bounds import check_size
-from serve_app.engine.harmony_grammar import harmony_answer, harmony_calls
+from serve_app.engine.grammar_formats import generic_schema, harmony_tag, structural_tag
 from serve_app.wire.model_card import GrammarConfig
 from serve_app.wire.refusals import EngineOverloadedError, InvalidRequestError
-from serve_app.wire.requests import StructuredOutput, ToolCallGrammar
+from serve_app.wire.requests import StructuredOutput
 
 if TYPE_CHECKING:
     import xgrammar
 
     from serve_app.wire.requests import GenerateRequest
-
-# Our tool-call formats as xgrammar's structural-tag builders name them (Mistral's is built here).
-_XGRAMMAR_MODEL = {"hermes": "qwen_3", "llama3_json": "llama", "qwen3_coder": "qwen_3_coder", "deepseek_v31": "deepseek_v3_1"}
-# Calls in one generic-format answer at most (a small model otherwise repeats a call until `max_tokens`).
-MAX_PARALLEL_CALLS = 4
 
 # xgrammar's errors start with a timestamp and a source location; the client needs only the rest.
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -141,7 +136,7 @@ class GrammarCompiler:
         compiler = self._xgrammar()
         try:
             if self._harmony:
-                return compiler.compile_structural_tag(_harmony_tag(spec, analysis))
+                return compiler.compile_structural_tag(harmony_tag(spec, analysis))
             match spec.kind:
                 case "json":
                     compiled = compiler.compile_json_schema(json.dumps(spec.json_schema), any_whitespace=False)
@@ -153,9 +148,9 @@ class GrammarCompiler:
                     alternatives = " | ".join(json.dumps(choice) for choice in spec.choice or ())
                     compiled = compiler.compile_grammar(f"root ::= {alternatives}")
                 case "tool_calls" if spec.tool_calls is not None and spec.tool_calls.format == "generic":
-                    compiled = compiler.compile_json_schema(json.dumps(_generic_schema(spec.tool_calls)), any_whitespace=False)
+                    compiled = compiler.compile_json_schema(json.dumps(generic_schema(spec.tool_calls)), any_whitespace=False)
                 case "tool_calls":
-                    compiled = compiler.compile_structural_tag(_structural_tag(spec.tool_calls))
+                    compiled = compiler.compile_structural_tag(structural_tag(spec.tool_calls))
                 case _:
                     compiled = compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError) as error:
@@ -224,106 +219,3 @@ def _bit(token: int) -> int:
     """`token`'s bit in its int32 word, as a signed value."""
     bit = 1 << (token % 32)
     return bit - (1 << 32) if bit >= 1 << 31 else bit
-
-
-def _generic_schema(spec: ToolCallGrammar) -> dict:
-    """The generic format's JSON schema: `{"tool_calls": [...]}` (each call's arguments matching its tool),
-    or, under `auto`, `{"response": ...}` (a string, or JSON matching the answer's schema)."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in spec.tools
-    ]
-    most = MAX_PARALLEL_CALLS if spec.parallel else 1
-    call_list = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "maxItems": most}
-    with_calls = {
-        "type": "object", "properties": {"tool_calls": call_list}, "required": ["tool_calls"], "additionalProperties": False,
-    }
-    if spec.mode != "auto":
-        return with_calls
-    answer = spec.answer_schema if spec.answer_schema is not None else {"type": "string"}
-    plain = {"type": "object", "properties": {"response": answer}, "required": ["response"], "additionalProperties": False}
-    return {"anyOf": [with_calls, plain]}
-
-
-def _harmony_tag(spec: StructuredOutput, analysis: bool) -> xgrammar.StructuralTag:
-    """`spec` over a harmony model's messages: its calls, or its final message's body."""
-    import xgrammar
-
-    if spec.tool_calls is not None:
-        return harmony_calls(spec.tool_calls, analysis)
-    match spec.kind:
-        case "json":
-            grammar = xgrammar.Grammar.from_json_schema(json.dumps(spec.json_schema), any_whitespace=False)
-        case "json_object":
-            grammar = xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
-        case "regex":
-            grammar = xgrammar.Grammar.from_regex(spec.regex)
-        case "choice":
-            grammar = xgrammar.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice or ()))
-        case _:
-            grammar = xgrammar.Grammar.from_ebnf(spec.grammar)
-    return harmony_answer(str(grammar), analysis)
-
-
-def _tool_choice(spec: ToolCallGrammar) -> str | dict:
-    """xgrammar's `tool_choice` for `spec`: its mode, or the tool it names."""
-    if spec.mode == "named":
-        return {"type": "function", "function": {"name": spec.tools[0].name}}
-    return spec.mode
-
-
-def _structural_tag(spec: ToolCallGrammar | None) -> xgrammar.StructuralTag:
-    """The structural tag of `spec`'s format: free text where `auto` allows it (the template's own
-    special tokens included), whitespace runs capped inside the arguments; with an answer schema, the
-    answer is JSON matching it or calls."""
-    import xgrammar
-    from xgrammar.structural_tag import JSONSchemaFormat, OrFormat
-
-    assert spec is not None
-    tools = [{"type": "function", "function": {"name": t.name, "parameters": t.parameters}} for t in spec.tools]
-    choice = "required" if spec.answer_schema is not None else _tool_choice(spec)
-    if spec.format == "mistral":
-        tag = _mistral_tag(spec, choice)
-    else:
-        tag = xgrammar.get_model_structural_tag(
-            _XGRAMMAR_MODEL[spec.format],
-            tools=tools,
-            tool_choice=choice,
-            reasoning="disabled",
-            exclude_special_tokens=False,
-            max_whitespace_cnt=1,
-            parallel_tool_calls=spec.parallel,
-        )
-    if spec.answer_schema is None:
-        return tag
-    answer = JSONSchemaFormat(json_schema=spec.answer_schema, max_whitespace_cnt=1)
-    return tag.model_copy(update={"format": OrFormat(elements=[answer, tag.format])})
-
-
-def _mistral_tag(spec: ToolCallGrammar, choice: str | dict) -> xgrammar.StructuralTag:
-    """Mistral's calls (`[TOOL_CALLS]name[ARGS]{...}`, one after another) as a structural tag: free text before
-    them where `auto` allows it, at least one call where `required` or a named tool asks."""
-    import xgrammar
-    from xgrammar.structural_tag import JSONSchemaFormat, TagFormat, TriggeredTagsFormat
-
-    trigger = "[TOOL_CALLS]"
-    tags = [
-        TagFormat(
-            begin=f"{trigger}{tool.name}[ARGS]",
-            content=JSONSchemaFormat(json_schema=tool.parameters, max_whitespace_cnt=1),
-            end="",
-        )
-        for tool in spec.tools
-    ]
-    if isinstance(choice, dict):  # a named tool: that call, once
-        return xgrammar.StructuralTag(format=tags[0])
-    calls = TriggeredTagsFormat(
-        triggers=[trigger], tags=tags, at_least_one=choice == "required", stop_after_first=not spec.parallel
-    )
-    return xgrammar.StructuralTag(format=calls)
-

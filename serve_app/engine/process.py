@@ -7,7 +7,7 @@ through HTTP 0.093 s in the replica, 0.074 s in its own process).
 
 Nothing here blocks a caller's event loop: messages go out through one writer thread per
 channel (a caller only queues them), and two reader threads hand the child's messages on: each
-delta into its request's `RequestStream` (made when the request is sent, so its deltas may come
+delta into its request's `DeltaQueue` (made when the request is sent, so its deltas may come
 before the engine's `Accepted`), each answer to its caller's future. A caller that gives up at any
 moment (a cancelled `submit_async` or `answer_async`) costs only its own request: a request the
 engine accepts for a caller that has gone is aborted there. The wire is `serve_app.engine.messages`.
@@ -19,27 +19,24 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import queue
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
 from serve_app.config import EngineConfig
+from serve_app.engine.channel import ChannelWriter, EngineProcessError, settle, wait_ready
 from serve_app.engine.messages import (
     Abort,
     Accepted,
     Call,
     Deltas,
-    Failed,
     Health,
     PagesChanged,
-    Ready,
     Refused,
     Reply,
     ResendPages,
@@ -48,9 +45,8 @@ from serve_app.engine.messages import (
     ToEngine,
     Withdraw,
     receive,
-    send,
 )
-from serve_app.engine.request_stream import RequestStream
+from serve_app.engine.delta_queue import DeltaQueue
 from serve_app.wire.calls import EngineCall
 from serve_app.wire.outputs import StreamDelta
 from serve_app.wire.page_events import PageEventBatch, PageEventBuffer
@@ -59,38 +55,6 @@ from serve_app.wire.requests import EncodedRequest, GenerateRequest
 logger = logging.getLogger(__name__)
 
 EXIT_WAIT_S = 30.0
-
-
-class EngineProcessError(RuntimeError):
-    """The engine process failed to start, or has exited."""
-
-
-class _Writer:
-    """Sends one channel's messages from its own thread, in the order they were queued."""
-
-    def __init__(self, conn: Connection, name: str, on_broken: Callable[[str], None]) -> None:
-        self._conn = conn
-        self._queue: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
-        self._on_broken = on_broken
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def post(self, message: ToEngine) -> None:
-        """Queue `message`; never blocks."""
-        self._queue.put(message)
-
-    def close(self) -> None:
-        """Send what is queued, then stop."""
-        self._queue.put(None)
-        self._thread.join(EXIT_WAIT_S)
-
-    def _run(self) -> None:
-        while (message := self._queue.get()) is not None:
-            try:
-                send(self._conn, message)
-            except (OSError, ValueError) as error:
-                self._on_broken(f"the engine process is gone ({error})")
-                return
 
 
 class EngineProcess:
@@ -108,7 +72,11 @@ class EngineProcess:
         self._streams = Connection(stream_host.detach())
         self._calls = Connection(call_host.detach())
         self._streams.send_bytes(config.model_dump_json().encode())
-        ready = self._wait_ready(start_timeout)
+        try:
+            ready = wait_ready(self._streams, self._process, start_timeout)
+        except EngineProcessError:
+            self._stop_process()
+            raise
         self.max_model_len = ready.max_model_len
         self.created = ready.created
         self.tool_format = ready.tool_format
@@ -120,10 +88,10 @@ class EngineProcess:
         self._lock = threading.Lock()  # guards the tables below and `_exit_reason`
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}  # call id -> the answer to a submit or a call
-        self._requests: dict[int, RequestStream] = {}  # submit call id -> its request's deltas, until the last
+        self._requests: dict[int, DeltaQueue] = {}  # submit call id -> its request's deltas, until the last
         self._exit_reason: str | None = None
-        self._stream_writer = _Writer(self._streams, "engine-process-stream-writer", self._fail_everything)
-        self._call_writer = _Writer(self._calls, "engine-process-call-writer", self._fail_everything)
+        self._stream_writer = ChannelWriter(self._streams, "engine-process-stream-writer", self._fail_everything)
+        self._call_writer = ChannelWriter(self._calls, "engine-process-call-writer", self._fail_everything)
         self._readers = [
             threading.Thread(target=self._read, args=(self._streams, True), name="engine-process-stream-reader", daemon=True),
             threading.Thread(target=self._read, args=(self._calls, False), name="engine-process-call-reader", daemon=True),
@@ -131,32 +99,14 @@ class EngineProcess:
         for reader in self._readers:
             reader.start()
 
-    def _wait_ready(self, timeout: float) -> Ready:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._streams.poll(0.5):
-                try:
-                    message = receive(self._streams)
-                except EOFError:
-                    break
-                if isinstance(message, Ready):
-                    return message
-                self._stop_process()
-                reason = message.reason if isinstance(message, Failed) else repr(message)
-                raise EngineProcessError(f"the engine process failed to start:\n{reason}")
-            if self._process.poll() is not None:
-                break
-        self._stop_process()
-        raise EngineProcessError(f"the engine process did not start (exit code {self._process.returncode})")
-
     # -- the serving API ----------------------------------------------------------------------
-    def submit(self, request: GenerateRequest | EncodedRequest) -> RequestStream:
+    def submit(self, request: GenerateRequest | EncodedRequest) -> DeltaQueue:
         """Queue one request; raise what the engine raised if it refused it."""
         accepted, stream = self._submit(request)
         stream.task_id = accepted.result()
         return stream
 
-    async def submit_async(self, request: GenerateRequest | EncodedRequest) -> RequestStream:
+    async def submit_async(self, request: GenerateRequest | EncodedRequest) -> DeltaQueue:
         """As `submit`; a caller cancelled while it waits leaves nothing running in the engine."""
         accepted, stream = self._submit(request)
         try:
@@ -169,13 +119,13 @@ class EngineProcess:
             raise
         return stream
 
-    async def stream(self, request: EncodedRequest) -> RequestStream:
+    async def stream(self, request: EncodedRequest) -> DeltaQueue:
         return await self.submit_async(request)
 
-    def _submit(self, request: GenerateRequest | EncodedRequest) -> tuple[Future, RequestStream]:
+    def _submit(self, request: GenerateRequest | EncodedRequest) -> tuple[Future, DeltaQueue]:
         """The future of the task id the engine accepts the request as, and the request's stream (its deltas may
         come first, even all of them)."""
-        stream = RequestStream(self._abandon)
+        stream = DeltaQueue(self._abandon)
 
         def message(call_id: int) -> Submit:
             self._requests[call_id] = stream  # under the lock, before the engine can send a delta
@@ -217,21 +167,21 @@ class EngineProcess:
             self._post(self._stream_writer, Shutdown())
         except EngineProcessError:
             pass
-        self._stream_writer.close()
+        self._stream_writer.close(EXIT_WAIT_S)
         try:
             self._process.wait(EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
             logger.warning("the engine process did not exit in %.0f s; killing it", EXIT_WAIT_S)
             self._process.kill()
             self._process.wait()
-        self._call_writer.close()
+        self._call_writer.close(EXIT_WAIT_S)
         for reader in self._readers:  # they read the last deltas, then the end of each connection
             reader.join(EXIT_WAIT_S)
         self._streams.close()
         self._calls.close()
 
     # -- the wire ----------------------------------------------------------------------------
-    def _request(self, message: Callable[[int], ToEngine], writer: _Writer) -> Future:
+    def _request(self, message: Callable[[int], ToEngine], writer: ChannelWriter) -> Future:
         future: Future = Future()
         call_id = next(self._ids)
         with self._lock:
@@ -242,7 +192,7 @@ class EngineProcess:
         writer.post(sent)
         return future
 
-    def _post(self, writer: _Writer, message: ToEngine) -> None:
+    def _post(self, writer: ChannelWriter, message: ToEngine) -> None:
         with self._lock:
             if self._exit_reason is not None:
                 raise EngineProcessError(self._exit_reason)
@@ -277,20 +227,20 @@ class EngineProcess:
             case Accepted(call_id, task_id):
                 with self._lock:
                     future = self._pending.pop(call_id)
-                if not _settle(future, task_id):  # the caller gave up before the engine took it
+                if not settle(future, task_id):  # the caller gave up before the engine took it
                     self._abandon(task_id)
             case Refused(call_id, error):
                 with self._lock:
                     future = self._pending.pop(call_id)
                     self._requests.pop(call_id, None)
-                _settle(future, error=error)
+                settle(future, error=error)
             case Reply(call_id, ok, value):
                 with self._lock:
                     future = self._pending.pop(call_id)
                 if ok:
-                    _settle(future, value)
+                    settle(future, value)
                 else:
-                    _settle(future, error=value)
+                    settle(future, error=value)
             case Health():
                 with self._lock:
                     self._health = message
@@ -327,7 +277,7 @@ class EngineProcess:
             self._pending.clear()
             self._requests.clear()
         for future in pending:
-            _settle(future, error=EngineProcessError(reason))
+            settle(future, error=EngineProcessError(reason))
         for stream in streams:
             stream.put(StreamDelta("", (), "error", error=reason))
         if pending or streams:
@@ -339,14 +289,3 @@ class EngineProcess:
             self._process.wait()
         self._streams.close()
         self._calls.close()
-
-
-def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> bool:
-    """Give `future` its answer unless its caller cancelled it; False when it was cancelled."""
-    if not future.set_running_or_notify_cancel():
-        return False
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(value)
-    return True

@@ -126,7 +126,7 @@ class Scheduler:
 
     def _pin(self, task: Task, pin: CachePin) -> None:
         """Keep the prompt's prefix cached for its breakpoint's TTL; what the cache did not hold before was written."""
-        kept = self.cache.pin(task.tokens[: pin.tokens], task.cache_salt, pin.ttl_s)
+        kept = self.cache.pin(task.tokens[: pin.tokens], task.prefix_salt, pin.ttl_s)
         task.cache_written_tokens = max(0, kept - task.cached_tokens)
         task.pin = None
 
@@ -191,7 +191,7 @@ class Scheduler:
             if self.tiers is not None:
                 cached = self.tiers.admit(task)
             else:
-                cached = self.cache.admit(task.task_id, task.tokens, task.cache_salt)
+                cached = self.cache.admit(task.task_id, task.tokens, task.prefix_salt)
             if cached is None:
                 break
             self.waiting.pop_first()

@@ -53,7 +53,7 @@ class Task:
     params: SamplingParams
     max_tokens: int
     stop_token_ids: frozenset[int]
-    cache_salt: str
+    prefix_salt: str  # the salt its prompt's pages are keyed under (the tenant's, and the adapter's)
     out: DeltaSink
     detokenizer: IncrementalDetokenizer
     stop_strings: StopStringMatcher

@@ -26,7 +26,7 @@ class TierLoading:
         if task.tiers_asked:
             return False
         task.tiers_asked = True
-        start, hashes = self.cache.pages_beyond_pool(task.tokens, task.cache_salt)
+        start, hashes = self.cache.pages_beyond_pool(task.tokens, task.prefix_salt)
         if not hashes:
             return False
         self.loading[task.task_id] = task
@@ -43,7 +43,7 @@ class TierLoading:
     def admit(self, task: Task) -> int | None:
         """`cache.admit` with the task's loaded pages; they are counted by tier once used."""
         loaded = task.loaded
-        cached = self.cache.admit(task.task_id, task.tokens, task.cache_salt, loaded)
+        cached = self.cache.admit(task.task_id, task.tokens, task.prefix_salt, loaded)
         if cached is not None and loaded is not None:
             for tier, pages in loaded.used.items():
                 self.hit_tokens[tier] += pages * self.cache.page_size

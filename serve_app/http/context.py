@@ -96,15 +96,15 @@ class ServerContext:
             raise ProtocolError("not_ready", "Engine not initialized")
         return tenant
 
-    def engine_salt(self, tenant: Tenant, client_salt: str | None) -> str:
-        """The engine's cache salt for a caller's request (None: the client gave none): the only way a salt
+    def tenant_salt(self, tenant: Tenant, client_salt: str | None) -> str:
+        """The tenant's cache salt for a caller's request (None: the client gave none): the only way a salt
         reaches the engine, and the one place a client's salt is checked."""
         if client_salt is not None:
             try:
                 check_client_salt(client_salt)
             except ValueError as error:
                 raise invalid(f"cache_salt: {error}", "cache_salt") from None
-        return self.tenants.cache_salt(tenant, client_salt or "")
+        return self.tenants.tenant_salt(tenant, client_salt or "")
 
 
 def context_of(request: Request) -> ServerContext:

@@ -35,14 +35,14 @@ class PromptEncoder:
     async def encode(
         self,
         requests: Sequence[GenerateRequest],
-        engine_salts: Sequence[str],
+        tenant_salts: Sequence[str],
         trace_context: dict[str, str],
         choices_per_prompt: int = 1,
     ) -> list[EncodedRequest]:
-        """Each request as the engine runs it, under its engine salt. Requests come in runs of `choices_per_prompt`
+        """Each request as the engine runs it, under its tenant salt. Requests come in runs of `choices_per_prompt`
         choices of one prompt: each prompt is tokenized once, off the event loop."""
         encoded: list[EncodedRequest] = []
-        for index, (request, salt) in enumerate(zip(requests, engine_salts)):
+        for index, (request, salt) in enumerate(zip(requests, tenant_salts)):
             if index % choices_per_prompt:
                 first = encoded[index - index % choices_per_prompt]
                 ids, pinned = first.prompt_ids, first.pin_tokens

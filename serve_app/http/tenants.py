@@ -117,8 +117,8 @@ class TenantDirectory:
             return None
         return self._keys.get(key_digest(key))
 
-    def cache_salt(self, tenant: Tenant, client_salt: str = "") -> str:
-        """The engine's salt for `tenant`, subdivided by the client's own salt."""
+    def tenant_salt(self, tenant: Tenant, client_salt: str = "") -> str:
+        """The salt of `tenant`'s pages, subdivided by the client's own salt."""
         message = b"tenant\x00" + tenant.id.encode("utf-8") + b"\x00salt\x00" + client_salt.encode("utf-8")
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 

@@ -29,7 +29,7 @@ class KVCache(ABC):
         """The most tokens one task can ever hold."""
 
     @abstractmethod
-    def admit(self, task_id: int, tokens: Sequence[int], cache_salt: str) -> int | None:
+    def admit(self, task_id: int, tokens: Sequence[int], prefix_salt: str) -> int | None:
         """Reserve memory for a task's prompt; return how many leading tokens are already cached, or None."""
 
     @abstractmethod
@@ -40,7 +40,7 @@ class KVCache(ABC):
     def commit(self, task_id: int, tokens: Sequence[int], num_computed: int) -> None:
         """The first `num_computed` of `tokens` now have their k/v written: publish what can be shared."""
 
-    def pin(self, tokens: Sequence[int], cache_salt: str, ttl_s: float) -> int:
+    def pin(self, tokens: Sequence[int], prefix_salt: str, ttl_s: float) -> int:
         """Keep the cached prefix of `tokens` for `ttl_s` (a prompt-caching breakpoint); how many tokens that
         holds. A cache without shared pages keeps none."""
         return 0

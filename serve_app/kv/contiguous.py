@@ -44,7 +44,7 @@ class ContiguousCache(KVCache):
     def max_task_tokens(self) -> int:
         return self.max_seq_len
 
-    def admit(self, task_id: int, tokens: Sequence[int], cache_salt: str) -> int | None:
+    def admit(self, task_id: int, tokens: Sequence[int], prefix_salt: str) -> int | None:
         if not self._free:
             return None
         self._slot_of[task_id] = self._free.pop()

@@ -51,12 +51,12 @@ class PageCache(KVCache):
         # The last token is always computed again: its logits pick the next token.
         return (len(tokens) - 1) // self.page_size
 
-    def admit(self, task_id: int, tokens: Sequence[int], cache_salt: str, loaded: LoadedPages | None = None) -> int | None:
+    def admit(self, task_id: int, tokens: Sequence[int], prefix_salt: str, loaded: LoadedPages | None = None) -> int | None:
         """As `KVCache.admit`; `loaded` pages (read from the tiers) continue the pool's match where they can."""
         matched: list[int] = []
         last_hash = None
         if self.enable_prefix_caching:
-            matched, last_hash = self.pool.match_prefix(tokens, cache_salt, self._max_shared_pages(tokens))
+            matched, last_hash = self.pool.match_prefix(tokens, prefix_salt, self._max_shared_pages(tokens))
         offset, usable = 0, 0
         if loaded is not None:
             offset = len(matched) - loaded.start
@@ -76,7 +76,7 @@ class PageCache(KVCache):
         self.tasks.add(
             task_id,
             TaskPages(
-                cache_salt=cache_salt,
+                prefix_salt=prefix_salt,
                 pages=matched + fresh,
                 cached_tokens=shared * self.page_size,
                 num_published=shared,
@@ -85,10 +85,10 @@ class PageCache(KVCache):
         )
         return shared * self.page_size
 
-    def pages_beyond_pool(self, tokens: Sequence[int], cache_salt: str) -> tuple[int, list[PageHash]]:
+    def pages_beyond_pool(self, tokens: Sequence[int], prefix_salt: str) -> tuple[int, list[PageHash]]:
         """The first page of `tokens` the pool lacks, and the hashes of it and of the whole pages after it
         that a request could share (what a tier might hold)."""
-        hashes = list(page_hashes(tokens, self.page_size, cache_salt, self._max_shared_pages(tokens)))
+        hashes = list(page_hashes(tokens, self.page_size, prefix_salt, self._max_shared_pages(tokens)))
         start = next((i for i, page_hash in enumerate(hashes) if self.pool.prefix_cache.lookup(page_hash) is None),
                      len(hashes))
         return start, hashes[start:]
@@ -110,12 +110,12 @@ class PageCache(KVCache):
         entry = self.tasks[task_id]
         size = self.page_size
         for index in range(entry.num_published, num_computed // size):
-            entry.last_hash = chain_hash(entry.last_hash, tokens[index * size : (index + 1) * size], entry.cache_salt)
+            entry.last_hash = chain_hash(entry.last_hash, tokens[index * size : (index + 1) * size], entry.prefix_salt)
             self.pool.publish(entry.pages[index], entry.last_hash)
             entry.num_published = index + 1
 
-    def pin(self, tokens: Sequence[int], cache_salt: str, ttl_s: float) -> int:
-        return self.pool.pin(tokens, cache_salt, ttl_s) if self.enable_prefix_caching else 0
+    def pin(self, tokens: Sequence[int], prefix_salt: str, ttl_s: float) -> int:
+        return self.pool.pin(tokens, prefix_salt, ttl_s) if self.enable_prefix_caching else 0
 
     def release(self, task_id: int) -> None:
         entry = self.tasks.pop(task_id)

@@ -30,11 +30,11 @@ class PagePool:
         """Pages an allocation can have: free, cached and unreferenced, or held by pins alone (let go for it)."""
         return self.allocator.num_free + self.pins.held_alone(self.allocator.refs)
 
-    def match_prefix(self, tokens: Sequence[int], cache_salt: str, max_pages: int) -> tuple[list[int], PageHash | None]:
+    def match_prefix(self, tokens: Sequence[int], prefix_salt: str, max_pages: int) -> tuple[list[int], PageHash | None]:
         """Take a reference to each cached leading full page (at most `max_pages`); return them and the last hash."""
         pages: list[int] = []
         parent: PageHash | None = None
-        for page_hash in page_hashes(tokens, self.page_size, cache_salt, max_pages):
+        for page_hash in page_hashes(tokens, self.page_size, prefix_salt, max_pages):
             page = self.prefix_cache.lookup(page_hash)
             if page is None:
                 break
@@ -52,11 +52,11 @@ class PagePool:
             return None
         return self.allocator.allocate(count)
 
-    def pin(self, tokens: Sequence[int], cache_salt: str, ttl_s: float) -> int:
+    def pin(self, tokens: Sequence[int], prefix_salt: str, ttl_s: float) -> int:
         """Keep the cached leading full pages of `tokens` for `ttl_s`; how many tokens that holds."""
         pages: list[int] = []
         last: PageHash | None = None
-        for page_hash in page_hashes(tokens, self.page_size, cache_salt):
+        for page_hash in page_hashes(tokens, self.page_size, prefix_salt):
             page = self.prefix_cache.lookup(page_hash)
             if page is None:
                 break

@@ -9,23 +9,23 @@ from collections.abc import Iterator, Sequence
 from serve_app.wire.page_events import DEFAULT_LIMIT, PageEventLog, PageHash
 
 
-def chain_hash(parent: PageHash | None, tokens: Sequence[int], cache_salt: str) -> PageHash:
+def chain_hash(parent: PageHash | None, tokens: Sequence[int], prefix_salt: str) -> PageHash:
     """hash(parent, tokens); the first page (no parent) mixes in the salt, so salts never share pages."""
     digest = hashlib.blake2b(digest_size=16)
     if parent is None:
-        digest.update(b"salt\x00" + cache_salt.encode("utf-8") + b"\x00")
+        digest.update(b"salt\x00" + prefix_salt.encode("utf-8") + b"\x00")
     else:
         digest.update(parent)
     digest.update(array("q", tokens).tobytes())
     return digest.digest()
 
 
-def page_hashes(tokens: Sequence[int], page_size: int, cache_salt: str, limit: int | None = None) -> Iterator[PageHash]:
+def page_hashes(tokens: Sequence[int], page_size: int, prefix_salt: str, limit: int | None = None) -> Iterator[PageHash]:
     """The chained hash of each whole page of `tokens` in order (at most `limit` of them)."""
     parent: PageHash | None = None
     count = len(tokens) // page_size if limit is None else min(limit, len(tokens) // page_size)
     for index in range(count):
-        parent = chain_hash(parent, tokens[index * page_size : (index + 1) * page_size], cache_salt)
+        parent = chain_hash(parent, tokens[index * page_size : (index + 1) * page_size], prefix_salt)
         yield parent
 
 

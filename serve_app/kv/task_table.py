@@ -11,7 +11,7 @@ from serve_app.kv.prefix_cache import PageHash
 class TaskPages:
     """One task's pages in position order, and its progress through the prefix cache."""
 
-    cache_salt: str
+    prefix_salt: str
     pages: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     num_published: int = 0

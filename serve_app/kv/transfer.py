@@ -31,22 +31,22 @@ class KVTransfer:
     def page_size(self) -> int:
         return self.cache.page_size
 
-    def _cached_pages(self, tokens: Sequence[int], cache_salt: str) -> list[int]:
+    def _cached_pages(self, tokens: Sequence[int], prefix_salt: str) -> list[int]:
         pages: list[int] = []
-        for page_hash in page_hashes(tokens, self.page_size, cache_salt):
+        for page_hash in page_hashes(tokens, self.page_size, prefix_salt):
             page = self.cache.pool.prefix_cache.lookup(page_hash)
             if page is None:
                 break
             pages.append(page)
         return pages
 
-    def lookup(self, tokens: Sequence[int], cache_salt: str) -> int:
+    def lookup(self, tokens: Sequence[int], prefix_salt: str) -> int:
         """How many leading tokens, in whole pages, are cached."""
-        return len(self._cached_pages(tokens, cache_salt)) * self.page_size
+        return len(self._cached_pages(tokens, prefix_salt)) * self.page_size
 
-    def retrieve(self, tokens: Sequence[int], cache_salt: str) -> torch.Tensor | None:
+    def retrieve(self, tokens: Sequence[int], prefix_salt: str) -> torch.Tensor | None:
         """The KV of the longest cached whole-page prefix of `tokens`, on the CPU; None under one page."""
-        pages = self._cached_pages(tokens, cache_salt)
+        pages = self._cached_pages(tokens, prefix_salt)
         if not pages:
             return None
         storage = self.cache.storage
@@ -74,12 +74,12 @@ class KVTransfer:
         if bad is not None:
             raise InvalidRequestError("tokens", f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
 
-    def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str) -> StoreResult:
+    def store(self, kv: torch.Tensor, tokens: Sequence[int], prefix_salt: str) -> StoreResult:
         """Write the whole pages of `kv` under `tokens`; pages already cached are skipped."""
         self.check(kv, tokens)
         size = self.page_size
         pool = self.cache.pool
-        hashes = list(page_hashes(tokens, size, cache_salt))
+        hashes = list(page_hashes(tokens, size, prefix_salt))
         cached = [pool.prefix_cache.lookup(page_hash) for page_hash in hashes]
         missing = [i for i, page in enumerate(cached) if page is None]
         if not missing:

@@ -24,11 +24,11 @@ class PrefixRouting:
         self.adapters = AdapterHolders()
         self._decisions = 0
 
-    def hashes(self, tokens: Sequence[int], cache_salt: str) -> list[PageHash]:
+    def hashes(self, tokens: Sequence[int], prefix_salt: str) -> list[PageHash]:
         """The prompt's page hashes (none until the directory has said what a page is)."""
         if self.index.page_size is None:
             return []
-        return list(page_hashes(tokens, self.index.page_size, cache_salt))
+        return list(page_hashes(tokens, self.index.page_size, prefix_salt))
 
     def rank(
         self,

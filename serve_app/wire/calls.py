@@ -27,10 +27,10 @@ class GetKVConfig:
 
 @dataclass(frozen=True)
 class LookupKV:
-    """How much of `tokens` is cached under `cache_salt`, and where (answers a `KVLookup`)."""
+    """How much of `tokens` is cached under `tenant_salt`, and where (answers a `KVLookup`)."""
 
     tokens: list[int]
-    cache_salt: str = ""
+    tenant_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -47,16 +47,16 @@ class RetrieveKV:
     """The KV of the longest cached whole-page prefix of `tokens` (None under one page)."""
 
     tokens: list[int]
-    cache_salt: str = ""
+    tenant_salt: str = ""
 
 
 @dataclass(frozen=True)
 class StoreKV:
-    """Cache `kv` as the KV of `tokens` under `cache_salt` (answers a `StoreResult`)."""
+    """Cache `kv` as the KV of `tokens` under `tenant_salt` (answers a `StoreResult`)."""
 
     kv: torch.Tensor
     tokens: list[int]
-    cache_salt: str = ""
+    tenant_salt: str = ""
 
 
 @dataclass(frozen=True)

@@ -166,10 +166,10 @@ class GenerateRequest(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    cache_salt: str | None = Field(
-        None, description="the salt its prompt's pages are cached under, as asked (None: none asked): a server "
-        "derives the engine's own from it and the caller's tenant (`EncodedRequest.engine_salt`); in process it is "
-        "used as it is",
+    client_salt: str | None = Field(
+        None, description="the salt its prompt's pages are cached under, as the client asked (None: none asked; the "
+        "APIs' `cache_salt`): a server derives the tenant's salt from it and the caller's tenant "
+        "(`EncodedRequest.tenant_salt`); in process it is the tenant salt as it is",
     )
     lora: str | None = Field(None, description="the LoRA adapter to run with (named in lora_paths, or a folder under dynamic_lora_loading_path)")
     logprobs: int | None = Field(None, ge=0, le=20, description="also return each token's logprob and this many top ones")
@@ -291,12 +291,12 @@ def token_id_outside(request: GenerateRequest, prompt_ids: Sequence[int], vocab_
 @dataclass(frozen=True)
 class EncodedRequest:
     """What an engine runs: the request as asked, its prompt as token ids (the chat template rendered, once,
-    before routing), the salt its pages are cached under, and the trace context (W3C `traceparent`) of the
-    span that sent it, where tracing is on."""
+    before routing), the tenant's salt (a server's, derived from the caller's tenant and the client's salt; in
+    process, the client's), and the trace context (W3C `traceparent`) of the span that sent it, where tracing is on."""
 
     request: GenerateRequest
     prompt_ids: list[int]
-    engine_salt: str = ""
+    tenant_salt: str = ""
     trace_context: dict[str, str] = field(default_factory=dict)
     pin_tokens: int = 0  # the leading prompt tokens its `cache_prefix` keeps cached
 
@@ -305,4 +305,4 @@ class EncodedRequest:
         """The salt its prompt's pages are cached under: KV made under one adapter is never another's (or
         the base model's), so the adapter is part of it. The engine and the request router both use it."""
         lora = self.request.lora
-        return self.engine_salt if lora is None else f"{self.engine_salt}\x00lora:{lora}"
+        return self.tenant_salt if lora is None else f"{self.tenant_salt}\x00lora:{lora}"

@@ -283,7 +283,7 @@ def test_kv_sdk_through_serve(served: ServeRun, engine: InferenceEngine) -> None
     original = create_request(context, post, prompt, cache_salt="e2e-a")
     original.generate(greedy)
     kv = original.retrieve()
-    engine.submit(GenerateRequest(prompt=prompt, max_tokens=1, cache_salt="e2e-ref")).wait(60)
+    engine.submit(GenerateRequest(prompt=prompt, max_tokens=1, client_salt="e2e-ref")).wait(60)
     reference = engine.kv.retrieve(prompt, "e2e-ref")
     assert reference is not None
     # The replica's forward is compiled (fused kernels sum in another order), the reference eager: the

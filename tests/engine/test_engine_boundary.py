@@ -250,7 +250,7 @@ def test_calls_are_bounded_and_one_that_timed_out_never_runs(tiny_llama_path: Pa
 def test_the_engine_process_reports_the_pages_it_caches(engine: InferenceEngine) -> None:
     child = ChildOverSockets(engine)
     try:
-        send(child.streams, Submit(1, _greedy(LONG_PROMPT, 1, cache_salt="events")))
+        send(child.streams, Submit(1, _greedy(LONG_PROMPT, 1, client_salt="events")))
         child.finish_of(1)
         expected = set(page_hashes(LONG_PROMPT, engine.kv.config().page_size, "events"))
         deadline = time.monotonic() + 10

@@ -119,9 +119,9 @@ def test_cached_kv_crosses_the_process(process: EngineProcess, config: EngineCon
     assert process.answer(LookupKV(prompt)).cached_tokens == 48
     kv = process.answer(RetrieveKV(prompt))
     assert isinstance(kv, torch.Tensor) and kv.shape[2] == 48
-    other = process.answer(StoreKV(kv, prompt, cache_salt="elsewhere"))
+    other = process.answer(StoreKV(kv, prompt, tenant_salt="elsewhere"))
     assert (other.stored_pages, other.deduplicated_pages) == (3, 0)
-    assert torch.equal(process.answer(RetrieveKV(prompt, cache_salt="elsewhere")), kv)
+    assert torch.equal(process.answer(RetrieveKV(prompt, tenant_salt="elsewhere")), kv)
     with pytest.raises(InvalidRequestError) as bad:
         process.answer(StoreKV(kv[:, :, :20], prompt))
     assert bad.value.param == "tokens" and "48 tokens for KV of 20 positions" in bad.value.message

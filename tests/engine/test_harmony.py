@@ -42,7 +42,7 @@ def written(engine: InferenceEngine, answer: str, keep_headers: bool) -> Generat
     result = GenerateResult(task_id=0, prompt_tokens=len(prompt))
     task = Task(
         task_id=0, prompt_len=len(prompt), tokens=list(prompt), params=SamplingParams(temperature=0), max_tokens=200,
-        stop_token_ids=engine.tokenizer.eos_token_ids, cache_salt="", out=lambda _, delta: result.publish(delta),
+        stop_token_ids=engine.tokenizer.eos_token_ids, prefix_salt="", out=lambda _, delta: result.publish(delta),
         detokenizer=IncrementalDetokenizer(engine.tokenizer, prompt, not keep_headers), stop_strings=StopStringMatcher([]),
         thinking=engine.reasoning_markers.span(prompt, None, keep_headers),  # type: ignore[union-attr]
     )

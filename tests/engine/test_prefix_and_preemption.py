@@ -21,7 +21,7 @@ def _chat(engine: InferenceEngine, question: str) -> list[int]:
 
 
 def _greedy(ids: list[int], salt: str = "", max_tokens: int = NEW_TOKENS) -> GenerateRequest:
-    return GenerateRequest(prompt=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True, cache_salt=salt)
+    return GenerateRequest(prompt=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True, client_salt=salt)
 
 
 def test_prefix_hit_prefills_only_the_rest(engine: InferenceEngine) -> None:

@@ -43,7 +43,7 @@ def _task(tokenizer: Tokenizer, task_id: int, prompt: list[int], max_tokens: int
     result = GenerateResult(task_id=task_id, prompt_tokens=len(prompt))
     task = Task(
         task_id=task_id, prompt_len=len(prompt), tokens=list(prompt), params=SamplingParams(temperature=0),
-        max_tokens=max_tokens, stop_token_ids=frozenset(), cache_salt="",
+        max_tokens=max_tokens, stop_token_ids=frozenset(), prefix_salt="",
         out=lambda _, delta: result.publish(delta),
         detokenizer=IncrementalDetokenizer(tokenizer, prompt), stop_strings=StopStringMatcher([]), priority=priority,
     )

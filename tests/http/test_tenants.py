@@ -101,11 +101,11 @@ def test_keys_and_the_salt_secret_are_read_once_at_build_and_the_secret_is_kept(
 def test_salts_depend_on_tenant_client_salt_and_secret() -> None:
     one, other = TenantDirectory({}, "s1"), TenantDirectory({}, "s2")
     acme, globex = Tenant("acme", "user"), Tenant("globex", "user")
-    salts = {one.cache_salt(acme), one.cache_salt(globex), one.cache_salt(acme, "x"), other.cache_salt(acme)}
+    salts = {one.tenant_salt(acme), one.tenant_salt(globex), one.tenant_salt(acme, "x"), other.tenant_salt(acme)}
     assert len(salts) == 4
-    assert one.cache_salt(acme, "x") == TenantDirectory({}, "s1").cache_salt(acme, "x")
+    assert one.tenant_salt(acme, "x") == TenantDirectory({}, "s1").tenant_salt(acme, "x")
     # A client salt cannot pose as another tenant's: the tenant id is fenced off from it.
-    assert one.cache_salt(Tenant("a", "user"), "cme") != one.cache_salt(Tenant("acme", "user"))
+    assert one.tenant_salt(Tenant("a", "user"), "cme") != one.tenant_salt(Tenant("acme", "user"))
 
 
 def test_missing_or_unknown_keys_get_401_in_each_protocol_shape(server: InProcessServer) -> None:

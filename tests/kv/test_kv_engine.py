@@ -23,7 +23,7 @@ def prompt(engine: InferenceEngine) -> list[int]:
 
 def greedy(engine: InferenceEngine, ids: list[int], salt: str, max_tokens: int = 12) -> list[int]:
     result = engine.submit(
-        GenerateRequest(prompt=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True, cache_salt=salt)
+        GenerateRequest(prompt=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True, client_salt=salt)
     )
     return list(result.wait(60).token_ids)
 

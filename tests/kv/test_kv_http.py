@@ -77,7 +77,7 @@ def test_lookup_retrieve_store_round_trip(
     kv = ctx.retrieve(prompt, "http-a")
     # The server derives the engine's salt from the caller and the client's salt.
     assert engine.kv.retrieve(prompt, "http-a") is None
-    assert kv is not None and torch.equal(kv, engine.kv.retrieve(prompt, context.tenants.cache_salt(OPEN, "http-a")))
+    assert kv is not None and torch.equal(kv, engine.kv.retrieve(prompt, context.tenants.tenant_salt(OPEN, "http-a")))
     assert ctx.store_pages(kv, prompt[:cached], "http-b") == {
         "stored": True, "stored_pages": cached // PAGE, "deduplicated_pages": 0,
     }

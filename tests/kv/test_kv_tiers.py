@@ -52,7 +52,7 @@ def _prompt(engine: InferenceEngine, seed: int, tokens: int) -> list[int]:
 
 def _greedy(engine: InferenceEngine, ids: list[int], salt: str = ""):
     result = engine.submit(GenerateRequest(prompt=ids, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                                           cache_salt=salt)).wait(300)
+                                           client_salt=salt)).wait(300)
     wait_idle(engine.get_stats, timeout=120)  # and every page it published written to disk
     return result
 

@@ -99,12 +99,12 @@ class ProtocolHandler:
     async def handle(
         self,
         body: Any,
-        cache_salt: Callable[[str | None], str] | None = None,
+        tenant_salt: Callable[[str | None], str] | None = None,
         limits: RequestLimits | None = None,
         answered: Answered | None = None,
     ) -> Response:
         """Answer one request: prepare it, hold it to `limits`, encode it (the chat template, tokens, and the engine
-        salt `cache_salt` maps each client salt to), then stream it from the engine.
+        salt `tenant_salt` maps each client salt to), then stream it from the engine.
         `answered` runs once the whole answer is built, before its last event or the response is sent
         (a client that has the answer can rely on what `answered` did; where it fails, the client gets the
         protocol's error instead: a 500, or a stream that ends in its error event)."""
@@ -123,7 +123,7 @@ class ProtocolHandler:
             limits.apply(
                 prepared, info, builder.stop_param, builder.max_tokens_param, builder.messages_param, builder.prompt_param
             )
-            salts = [cache_salt(r.cache_salt) if cache_salt is not None else r.cache_salt or "" for r in prepared.requests]
+            salts = [tenant_salt(r.client_salt) if tenant_salt is not None else r.client_salt or "" for r in prepared.requests]
             encoded = await self.engine.prompts.encode(
                 prepared.requests, salts, tracing.carrier(self.span), prepared.choices_per_prompt
             )

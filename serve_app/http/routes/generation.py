@@ -49,7 +49,7 @@ async def generate(
     context.take_slot(tenant)
     try:
         handler = ProtocolHandler(builder, context.models.client_of(body), context.metrics)
-        response = await handler.handle(body, lambda salt: context.engine_salt(tenant, salt), context.limits, answered)
+        response = await handler.handle(body, lambda salt: context.tenant_salt(tenant, salt), context.limits, answered)
     except BaseException:
         context.slots.give_back(tenant)
         raise

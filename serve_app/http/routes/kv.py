@@ -35,11 +35,11 @@ def _engine(request: Request) -> EngineClient:
 
 
 async def _tokens_request(request: Request) -> tuple[TokensRequest, str]:
-    """The body's tokens, and the engine salt of the caller's `cache_salt`."""
+    """The body's tokens, and the tenant salt of the caller's `cache_salt`."""
     context = context_of(request)
     tenant = await context.ready_caller(request, admin=True)
     req = parse_tokens_request(await read_json(request, context.config.max_request_bytes))
-    return req, context.engine_salt(tenant, req.cache_salt or None)  # the KV API's "" is no salt
+    return req, context.tenant_salt(tenant, req.cache_salt or None)  # the KV API's "" is no salt
 
 
 @router.get("/config")
@@ -77,7 +77,7 @@ async def kv_store(request: Request) -> Response:
     kv, tokens, cache_salt = decode_kv(await read_body(request, context.config.max_kv_bytes, "max_kv_bytes"))
     if tokens is None:
         raise invalid("body: the safetensors file has no tensor named 'tokens'", "tokens")
-    result = await _engine(request).ask(StoreKV(kv, tokens, context.engine_salt(tenant, cache_salt or None)))
+    result = await _engine(request).ask(StoreKV(kv, tokens, context.tenant_salt(tenant, cache_salt or None)))
     return JSONResponse(
         {
             "stored": result.stored_pages > 0,

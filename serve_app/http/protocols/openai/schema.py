@@ -286,7 +286,7 @@ class SamplingFields(RequestModel):
             stop=stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            cache_salt=self.cache_salt,
+            client_salt=self.cache_salt,
             logprobs=logprobs,
             structured_output=constraint,
             max_string_tokens=self.max_string_tokens,

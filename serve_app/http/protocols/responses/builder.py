@@ -108,7 +108,7 @@ class ResponsesBuilder(ResponseBuilder):
             structured_output=constraint,
             max_string_tokens=req.max_string_tokens,
             lora=lora,
-            cache_salt=req.prompt_cache_key,
+            client_salt=req.prompt_cache_key,
             cache_prefix=retained(req.prompt_cache_retention),
             thinking_token_budget=thinking.budget,
             chat_template_kwargs=thinking.template_kwargs(None),

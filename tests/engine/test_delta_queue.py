@@ -1,4 +1,4 @@
-"""RequestStream, the host's queue of one request's deltas: what a reader that fell behind gets, the end, and a
+"""DeltaQueue, the host's queue of one request's deltas: what a reader that fell behind gets, the end, and a
 reader that leaves (no model: deltas are put by a thread as the engine process's reader puts them)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from serve_app.engine.request_stream import RequestStream
+from serve_app.engine.delta_queue import DeltaQueue
 from serve_app.wire.outputs import StreamDelta, Usage
 
 
@@ -17,7 +17,7 @@ def _delta(text: str, token: int, finish: str | None = None, usage: Usage | None
 
 
 def test_a_reader_behind_gets_what_piled_up_as_one_delta_then_the_end() -> None:
-    stream = RequestStream(abort=lambda task_id: None)
+    stream = DeltaQueue(abort=lambda task_id: None)
     stream.put(_delta("a", 1, usage=Usage(3, 1, 0)))
     stream.put(_delta("b", 2))
 
@@ -34,7 +34,7 @@ def test_a_reader_behind_gets_what_piled_up_as_one_delta_then_the_end() -> None:
 
 def test_closing_it_unfinished_aborts_the_request_once_and_a_finished_one_not_at_all() -> None:
     aborted: list[int] = []
-    unfinished, finished = RequestStream(aborted.append), RequestStream(aborted.append)
+    unfinished, finished = DeltaQueue(aborted.append), DeltaQueue(aborted.append)
     unfinished.task_id, finished.task_id = 7, 8
     finished.put(_delta("x", 1, "length"))
 
@@ -49,7 +49,7 @@ def test_closing_it_unfinished_aborts_the_request_once_and_a_finished_one_not_at
 
 
 def test_a_reader_cancelled_while_waiting_leaves_nothing_for_the_putter_to_wake() -> None:
-    stream = RequestStream(abort=lambda task_id: None)
+    stream = DeltaQueue(abort=lambda task_id: None)
 
     async def wait_then_give_up() -> None:
         reading = asyncio.ensure_future(anext(stream))

@@ -1,4 +1,4 @@
-"""RequestStream: one request's deltas on the engine process's host, from the reader thread to one consumer.
+"""DeltaQueue: one request's deltas on the engine process's host, from the reader thread to one consumer.
 
 The host's reader thread puts each delta as the engine's round message brings it; the consumer takes
 what has come (merged into one delta when it fell behind), with `async for` or, blocking, `wait`.
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from serve_app.wire.outputs import StreamDelta, merge_deltas
 
 
-class RequestStream:
+class DeltaQueue:
     """A request's deltas, put by one thread and taken by one consumer. Closing it unfinished aborts the request."""
 
     def __init__(self, abort: Callable[[int], None]) -> None:
@@ -40,7 +40,7 @@ class RequestStream:
             except RuntimeError:  # the consumer's event loop has closed: nobody is reading any more
                 pass
 
-    def __aiter__(self) -> RequestStream:
+    def __aiter__(self) -> DeltaQueue:
         return self
 
     async def __anext__(self) -> StreamDelta:
