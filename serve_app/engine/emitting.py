@@ -94,11 +94,11 @@ class TokenEmitter:
 
     def _sample(self, rows: torch.Tensor, tasks: list[Task], drafts: list[int | None]) -> torch.Tensor:
         batch = SamplingBatch.build(
-            [t.params for t in tasks],
+            [t.sampling.params for t in tasks],
             rows.device,
-            generators=[t.generator for t in tasks],
-            prompt_ids=[t.tokens[: t.prompt_len] if t.params.has_penalties else () for t in tasks],
-            output_ids=[t.output_ids if t.params.has_penalties else () for t in tasks],
+            generators=[t.sampling.generator for t in tasks],
+            prompt_ids=[t.tokens[: t.prompt_len] if t.sampling.params.has_penalties else () for t in tasks],
+            output_ids=[t.output_ids if t.sampling.params.has_penalties else () for t in tasks],
             banned=[t.banned_token_ids for t in tasks],
         )
         matchers = [t.active_matcher for t in tasks]
@@ -112,18 +112,18 @@ class TokenEmitter:
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, tasks: list[Task]) -> list[TokenLogprob | None]:
         """The model's log-probabilities (before any sampling transform) for tasks that asked for them."""
-        rows = [i for i, t in enumerate(tasks) if t.logprobs is not None]
+        rows = [i for i, t in enumerate(tasks) if t.sampling.logprobs is not None]
         out: list[TokenLogprob | None] = [None] * len(tasks)
         if not rows:
             return out
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         log_probs = torch.log_softmax(logits[index], dim=-1)
         chosen = log_probs.gather(1, tokens[index][:, None])[:, 0].tolist()
-        top_k = max(tasks[i].logprobs or 0 for i in rows)
+        top_k = max(tasks[i].sampling.logprobs or 0 for i in rows)
         top_values, top_ids = log_probs.topk(top_k, dim=-1) if top_k else (None, None)
         for j, i in enumerate(rows):
             token = int(tokens[i])
-            count = tasks[i].logprobs or 0
+            count = tasks[i].sampling.logprobs or 0
             top = ()
             if count:
                 ids, values = top_ids[j, :count].tolist(), top_values[j, :count].tolist()

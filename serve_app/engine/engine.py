@@ -22,7 +22,8 @@ from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.speculation import Speculator
 from serve_app.engine.stats import engine_stats
 from serve_app.engine.step import ModelStep
-from serve_app.engine.task import DeltaSink, Task
+from serve_app.engine.task import Task
+from serve_app.engine.task_output import DeltaSink
 from serve_app.engine.tier_loading import TierLoading
 from serve_app.kv.base import KVCache
 from serve_app.kv.factory import build_kv_cache
@@ -189,8 +190,7 @@ class InferenceEngine(Conveniences):
         try:
             self.loop.submit(task)
         except BaseException:
-            if task.on_finished is not None:
-                task.on_finished()
+            task.release()
             raise
         return task
 

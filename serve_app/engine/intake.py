@@ -13,7 +13,8 @@ from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.harmony import HarmonyMarkers
 from serve_app.engine.reasoning import ReasoningMarkers, ThinkingReader, ThinkingTags
 from serve_app.engine.stopping import StopStringMatcher
-from serve_app.engine.task import CachePin, DeltaSink, Task
+from serve_app.engine.task import AdapterHold, CachePin, Task, TaskAdmission, TaskSampling
+from serve_app.engine.task_output import DeltaSink, TaskOutput
 from serve_app.kv.base import KVCache
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
@@ -99,36 +100,25 @@ class TaskIntake:
         if thinking is not None and params.allowed_token_ids is not None:  # the model's markers stay choosable
             markers = self.markers.token_ids  # type: ignore[union-attr]
             params = params.model_copy(update={"allowed_token_ids": [*params.allowed_token_ids, *markers]})
-        slot = self._adapter_slot(request.lora)
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
         prefix = request.cache_prefix
         pin = CachePin(encoded.pin_tokens, prefix.ttl_s) if prefix is not None and encoded.pin_tokens else None
-        return Task(
-            task_id=task_id,
-            prompt_len=len(prompt_ids),
-            tokens=list(prompt_ids),
-            params=params,
-            max_tokens=max_tokens,
-            stop_token_ids=frozenset(stop_ids),
-            prefix_salt=encoded.prefix_salt,
-            out=out,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, _skips_special_tokens(request)),
-            stop_strings=StopStringMatcher(request.stop, request.include_stop_str_in_output),
-            generator=generator,
-            min_tokens=request.min_tokens,
-            priority=request.priority,
-            pin=pin,
-            logprobs=request.logprobs,
-            matcher=matcher,
-            guard=guard,
-            thinking=thinking,
-            embed=request.embed,
-            adapter_slot=slot,
-            on_finished=self._releaser(slot),
+        sampling = TaskSampling(params, frozenset(stop_ids), request.min_tokens, generator, matcher, request.logprobs)
+        output = TaskOutput(
+            out,
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, _skips_special_tokens(request)),
+            StopStringMatcher(request.stop, request.include_stop_str_in_output),
+            guard,
+            thinking,
+            request.embed,
         )
+        admission = TaskAdmission(encoded.prefix_salt, request.priority, pin)
+        # The adapter's slot is taken last: nothing after it can fail, and the task gives it back when it ends.
+        adapter = self._adapter(request.lora)
+        return Task(task_id, len(prompt_ids), list(prompt_ids), max_tokens, sampling, output, admission, adapter)
 
     def _check_embeddable(self, request: GenerateRequest, prompt_ids: list[int]) -> None:
         """An embed request is a prompt that fits the context, with nothing to generate."""
@@ -150,20 +140,15 @@ class TaskIntake:
         spec = request.structured_output
         return markers.span(prompt_ids, request.thinking_token_budget, spec is not None and spec.tool_calls is not None)
 
-    def _adapter_slot(self, name: str | None) -> int | None:
+    def _adapter(self, name: str | None) -> AdapterHold | None:
         """The slot of LoRA adapter `name`, held for one request (None for the base model)."""
         if name is None:
             return None
         adapters = self.runner.adapters
         if adapters is None:
             raise InvalidRequestError("lora", "this engine serves no adapters (set dynamic_lora_loading_path or lora_paths)")
-        return adapters.acquire(name)
-
-    def _releaser(self, slot: int | None) -> Callable[[], None] | None:
-        adapters = self.runner.adapters
-        if slot is None or adapters is None:
-            return None
-        return lambda: adapters.release(slot)
+        slot = adapters.acquire(name)
+        return AdapterHold(slot, lambda: adapters.release(slot))
 
     def _check_lengths(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         """The request's token budget; the prompt and `max_tokens` must fit the context and the cache."""

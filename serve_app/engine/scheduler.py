@@ -121,14 +121,14 @@ class Scheduler:
         for entry, task in zip(batch.entries, batch.tasks):
             task.num_computed = min(entry.end, task.num_tokens)
             self.cache.commit(task.task_id, task.tokens, task.num_computed)
-            if task.pin is not None and task.num_computed >= task.pin.tokens:
-                self._pin(task, task.pin)
+            if task.admission.pin is not None and task.num_computed >= task.admission.pin.tokens:
+                self._pin(task, task.admission.pin)
 
     def _pin(self, task: Task, pin: CachePin) -> None:
         """Keep the prompt's prefix cached for its breakpoint's TTL; what the cache did not hold before was written."""
-        kept = self.cache.pin(task.tokens[: pin.tokens], task.prefix_salt, pin.ttl_s)
-        task.cache_written_tokens = max(0, kept - task.cached_tokens)
-        task.pin = None
+        kept = self.cache.pin(task.tokens[: pin.tokens], task.admission.prefix_salt, pin.ttl_s)
+        task.admission.cache_written_tokens = max(0, kept - task.admission.cached_tokens)
+        task.admission.pin = None
 
     def ran(self, batch: Batch, seconds: float) -> None:
         """A whole batch ran in `seconds`: a decode-only one's time tells speculation what proposals cost."""
@@ -173,7 +173,7 @@ class Scheduler:
         self.running.remove(task)
         task.state = TaskState.WAITING
         task.num_computed = 0
-        task.tiers_asked = False
+        task.admission.tiers_asked = False
         self.waiting.put_back(task)
         self.stats.preemptions += 1
         logger.debug("preempted task %d at %d tokens", task.task_id, task.num_tokens)
@@ -191,7 +191,7 @@ class Scheduler:
             if self.tiers is not None:
                 cached = self.tiers.admit(task)
             else:
-                cached = self.cache.admit(task.task_id, task.tokens, task.prefix_salt)
+                cached = self.cache.admit(task.task_id, task.tokens, task.admission.prefix_salt)
             if cached is None:
                 break
             self.waiting.pop_first()
@@ -200,8 +200,8 @@ class Scheduler:
             self.running.append(task)
             self.stats.prefix_cache_queried_tokens += task.num_tokens
             self.stats.prefix_cache_hit_tokens += cached
-            if not task.admitted_once:
-                task.admitted_once = True
+            if not task.admission.admitted_once:
+                task.admission.admitted_once = True
                 self.stats.prompt_tokens += task.prompt_len
                 task.admitted(cached)
 
@@ -231,7 +231,7 @@ class Scheduler:
         gets none: which proposals a step keeps depends on measured step times, and each one verified
         draws from the task's generator, so its seed would not give the same tokens twice."""
         assert self.speculator is not None
-        proposing = [task for task in decodes if task.generator is None]
+        proposing = [task for task in decodes if task.sampling.generator is None]
         found = []
         for task in proposing:
             room = min(
@@ -273,8 +273,7 @@ class Scheduler:
         elif self.tiers is not None:
             self.tiers.forget(task)
         task.state = TaskState.FINISHED
-        if task.on_finished is not None:
-            task.on_finished()
+        task.release()
         task.publish(delta)
 
     def _loading(self) -> list[Task]:

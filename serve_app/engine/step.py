@@ -35,7 +35,7 @@ class ModelStep:
         slots = [task.adapter_slot for task in batch.tasks]
         cache = self.scheduler.cache
         forward = ForwardBatch(batch.entries, token_ids, sample_rows, slots)
-        if any(task.embed for task in sampled):
+        if any(task.output.embed for task in sampled):
             with self.runner.head_inputs() as hidden:
                 logits = self.runner.forward(forward, cache.view(batch.entries))
         else:
@@ -43,11 +43,11 @@ class ModelStep:
         self.scheduler.computed(batch)
         if not sampled:
             return
-        generating = [i for i, task in enumerate(sampled) if not task.embed]
+        generating = [i for i, task in enumerate(sampled) if not task.output.embed]
         emitted = self.emitter.emit(logits, [sampled[i] for i in generating], [first_rows[i] for i in generating])
         outcomes = dict(zip(generating, emitted))
         for i, task in enumerate(sampled):
-            if task.embed:
+            if task.output.embed:
                 outcomes[i] = _embedded(hidden[0][0, first_rows[i]])
         self.scheduler.postprocess(sampled, [outcomes[i] for i in range(len(sampled))])
 

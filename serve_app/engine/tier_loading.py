@@ -23,10 +23,10 @@ class TierLoading:
     def send(self, task: Task) -> bool:
         """Ask the tiers for the pages of `task`'s prompt that the pool lacks (once per admission);
         True when the task now waits for them."""
-        if task.tiers_asked:
+        if task.admission.tiers_asked:
             return False
-        task.tiers_asked = True
-        start, hashes = self.cache.pages_beyond_pool(task.tokens, task.prefix_salt)
+        task.admission.tiers_asked = True
+        start, hashes = self.cache.pages_beyond_pool(task.tokens, task.admission.prefix_salt)
         if not hashes:
             return False
         self.loading[task.task_id] = task
@@ -37,17 +37,17 @@ class TierLoading:
         """The task whose pages these are, holding them now (None if it ended meanwhile)."""
         task = self.loading.pop(loaded.task_id, None)
         if task is not None and len(loaded):
-            task.loaded = loaded
+            task.admission.loaded = loaded
         return task
 
     def admit(self, task: Task) -> int | None:
         """`cache.admit` with the task's loaded pages; they are counted by tier once used."""
-        loaded = task.loaded
-        cached = self.cache.admit(task.task_id, task.tokens, task.prefix_salt, loaded)
+        loaded = task.admission.loaded
+        cached = self.cache.admit(task.task_id, task.tokens, task.admission.prefix_salt, loaded)
         if cached is not None and loaded is not None:
             for tier, pages in loaded.used.items():
                 self.hit_tokens[tier] += pages * self.cache.page_size
-            task.loaded = None
+            task.admission.loaded = None
         return cached
 
     def forget(self, task: Task) -> bool:

@@ -23,7 +23,7 @@ class WaitingQueue:
 
     def rank(self, task: Task) -> tuple[int, int]:
         """Where a task stands: earlier ranks are admitted first and preempted last."""
-        return (task.priority if self.policy == "priority" else 0, task.task_id)
+        return (task.admission.priority if self.policy == "priority" else 0, task.task_id)
 
     def add(self, task: Task) -> None:
         if self.policy == "priority":

@@ -18,7 +18,8 @@ from serve_app.answers.reader import CallPart
 from serve_app.engine.engine import InferenceEngine
 from serve_app.engine.result import GenerateResult
 from serve_app.engine.stopping import StopStringMatcher
-from serve_app.engine.task import Task
+from serve_app.engine.task import Task, TaskAdmission, TaskSampling
+from serve_app.engine.task_output import TaskOutput
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.wire.requests import GenerateRequest, SamplingParams, StructuredOutput
@@ -40,12 +41,12 @@ def written(engine: InferenceEngine, answer: str, keep_headers: bool) -> Generat
     """`answer` as if the model wrote it, token by token, through a request's task."""
     prompt = engine.tokenizer.hf.encode(engine.tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
     result = GenerateResult(task_id=0, prompt_tokens=len(prompt))
-    task = Task(
-        task_id=0, prompt_len=len(prompt), tokens=list(prompt), params=SamplingParams(temperature=0), max_tokens=200,
-        stop_token_ids=engine.tokenizer.eos_token_ids, prefix_salt="", out=lambda _, delta: result.publish(delta),
-        detokenizer=IncrementalDetokenizer(engine.tokenizer, prompt, not keep_headers), stop_strings=StopStringMatcher([]),
-        thinking=engine.reasoning_markers.span(prompt, None, keep_headers),  # type: ignore[union-attr]
+    output = TaskOutput(
+        lambda _, delta: result.publish(delta), IncrementalDetokenizer(engine.tokenizer, prompt, not keep_headers),
+        StopStringMatcher([]), thinking=engine.reasoning_markers.span(prompt, None, keep_headers),  # type: ignore[union-attr]
     )
+    sampling = TaskSampling(SamplingParams(temperature=0), engine.tokenizer.eos_token_ids)
+    task = Task(0, len(prompt), list(prompt), 200, sampling, output, TaskAdmission(""))
     for token in engine.tokenizer.hf.encode(answer, add_special_tokens=False):
         delta = task.accept(token, 4096)
         task.publish(delta)

@@ -14,7 +14,8 @@ from serve_app.engine.emitting import Emitted
 from serve_app.engine.result import GenerateResult
 from serve_app.engine.scheduler import Batch, Scheduler
 from serve_app.engine.stopping import StopStringMatcher
-from serve_app.engine.task import Task, TaskState
+from serve_app.engine.task import Task, TaskAdmission, TaskSampling, TaskState
+from serve_app.engine.task_output import TaskOutput
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.storage import KVShape
 from serve_app.model.detokenizer import IncrementalDetokenizer
@@ -41,11 +42,10 @@ _RESULTS: dict[int, GenerateResult] = {}  # id(task) -> what its deltas added up
 
 def _task(tokenizer: Tokenizer, task_id: int, prompt: list[int], max_tokens: int = 8, priority: int = 0) -> Task:
     result = GenerateResult(task_id=task_id, prompt_tokens=len(prompt))
+    output = TaskOutput(lambda _, delta: result.publish(delta), IncrementalDetokenizer(tokenizer, prompt), StopStringMatcher([]))
     task = Task(
-        task_id=task_id, prompt_len=len(prompt), tokens=list(prompt), params=SamplingParams(temperature=0),
-        max_tokens=max_tokens, stop_token_ids=frozenset(), prefix_salt="",
-        out=lambda _, delta: result.publish(delta),
-        detokenizer=IncrementalDetokenizer(tokenizer, prompt), stop_strings=StopStringMatcher([]), priority=priority,
+        task_id, len(prompt), list(prompt), max_tokens, TaskSampling(SamplingParams(temperature=0), frozenset()), output,
+        TaskAdmission("", priority),
     )
     _RESULTS[id(task)] = result
     return task
@@ -162,7 +162,7 @@ def test_a_second_prompt_with_the_same_pages_is_admitted_with_them_cached(tokeni
     second = _task(tokenizer, 2, prompt, max_tokens=1)
     scheduler.add([second])
     assert _spans(scheduler.schedule()) == [(2, 12, 1)]  # only the token after the cached pages runs
-    assert second.cached_tokens == 12
+    assert second.admission.cached_tokens == 12
     assert scheduler.stats.prefix_cache_queried_tokens == 26 and scheduler.stats.prefix_cache_hit_tokens == 12
 
 
