@@ -11,12 +11,13 @@ from typing import Any
 
 _EXPORTS = {
     "CacheConfig": "serve_app.config",
+    "DeltaStream": "serve_app.engine.delta_stream",
     "EngineConfig": "serve_app.config",
     "ModelConfig": "serve_app.config",
     "SchedulerConfig": "serve_app.config",
     "InferenceEngine": "serve_app.engine.engine",
     "GenerateRequest": "serve_app.wire.requests",
-    "GenerateResult": "serve_app.engine.result",
+    "RequestOutput": "serve_app.wire.outputs",
     "SamplingParams": "serve_app.wire.requests",
     "StreamDelta": "serve_app.wire.outputs",
     "StructuredOutput": "serve_app.wire.requests",

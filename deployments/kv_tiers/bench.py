@@ -37,11 +37,9 @@ def _timed(engine: InferenceEngine, request: GenerateRequest) -> tuple[float, in
     """Seconds to the first token, cached prompt tokens, and the tokens, once the engine is idle again."""
     start = time.perf_counter()
     first: list[float] = []
-    result = engine.submit(request)
-    result.subscribe(lambda delta: first.append(time.perf_counter()) if delta.token_ids and not first else None)
-    result.wait()
+    result = engine.submit(request, lambda delta: first.append(time.perf_counter()) if delta.token_ids and not first else None).wait()
     wait_idle(engine.get_stats, timeout=300)  # every page written down before the next measurement
-    return first[0] - start, result.cached_tokens, list(result.token_ids)
+    return first[0] - start, result.usage.cached_tokens, list(result.token_ids)
 
 
 def _ask(document: str, question: str, max_tokens: int) -> GenerateRequest:

@@ -69,7 +69,6 @@ def run_engine_bench(
             prompt=pending.pop(), max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos, **(options or {}), **own
         )
         clock = _Clock(start=time.perf_counter())
-        result = engine.submit(request)
 
         def on_delta(delta: StreamDelta, clock: _Clock = clock) -> None:
             clock.on_delta(delta)
@@ -77,16 +76,14 @@ def run_engine_bench(
                 slots.release()
                 progress.update(1)
 
-        result.subscribe(on_delta)
         clocks.append(clock)
-        results.append(result)
-    for result in results:
-        result.wait()
+        results.append(engine.submit(request, on_delta))
+    outcomes = [result.wait() for result in results]
     duration = time.perf_counter() - begin
     progress.close()
     row = BenchRow.from_timings(system, concurrency, duration, [c.timing() for c in clocks])
     if return_tokens:
-        return row, [list(r.token_ids) for r in results]
+        return row, [list(o.token_ids) for o in outcomes]
     return row
 
 

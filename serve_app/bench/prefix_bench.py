@@ -21,9 +21,8 @@ QUESTIONS = [
 def _ttft(engine: InferenceEngine, messages: list[dict], max_tokens: int) -> RequestTiming:
     start = time.perf_counter()
     stamps: list[float] = []
-    result = engine.submit(GenerateRequest(messages=messages, max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    result.subscribe(lambda delta: stamps.append(time.perf_counter()) if delta.token_ids else None)
-    result.wait()
+    request = GenerateRequest(messages=messages, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    result = engine.submit(request, lambda delta: stamps.append(time.perf_counter()) if delta.token_ids else None).wait()
     gaps = tuple(b - a for a, b in zip(stamps, stamps[1:]))
     return RequestTiming(ttft=stamps[0] - start, gaps=gaps, output_tokens=len(result.token_ids))
 

@@ -13,23 +13,42 @@ from __future__ import annotations
 from typing import Literal
 
 from serve_app.answers.reader import AnswerReader
+from serve_app.model.detokenizer import IncrementalDetokenizer
+from serve_app.wire.outputs import TokenRole
 
 
 class AnswerGuard:
+    """Reads the answer's text as the core chooses its tokens (its own detokenizer: the forced quote is a token
+    choice, so it is made where tokens are chosen)."""
+
     def __init__(
         self,
         reader: AnswerReader,
+        detokenizer: IncrementalDetokenizer,
         quote_token: int | None,
         max_string_tokens: int | None = None,
         max_constrained_tokens: int | None = None,
     ) -> None:
         self.reader = reader
+        self.detokenizer = detokenizer
         self.quote_token = quote_token  # the token that is exactly `"`, for closing a string
         self.max_string_tokens = max_string_tokens
         self.max_constrained_tokens = max_constrained_tokens
         self._string: tuple[int, int] | None = None  # the string now open, and how many tokens it has run
         self._string_tokens = 0
         self._constrained_tokens = 0
+
+    def read(self, token: int, role: TokenRole, was_thinking: bool) -> Literal["stop", "length"] | None:
+        """Read one accepted token (a marker's token adds no text; the thinking's text is not the answer's); why the
+        answer ends with it, if it does."""
+        if role == "tag":
+            text = self.detokenizer.flush()
+            self.detokenizer.skip(token)
+        else:
+            text = self.detokenizer.push(token)
+        if role == "thinking" or (role == "tag" and was_thinking):
+            return None
+        return self.after(text)
 
     def after(self, text: str) -> Literal["stop", "length"] | None:
         """Read one accepted token's text; why the answer ends with it, if it does."""

@@ -5,7 +5,7 @@ of two socket pairs. It reads the `EngineConfig` (JSON bytes) on the stream chan
 engine, answers `Ready` or `Failed`, then serves the messages of `serve_app.engine.messages`
 until the host says `Shutdown` or goes away.
 
-Every send on the stream channel is small (an acceptance, one round's deltas, the stats), so the
+Every send on the stream channel is small (an acceptance, one round's outputs, the stats), so the
 scheduler's per-round flush never waits behind a tokenization or a KV transfer: requests are
 tokenized (and their grammars compiled) by their own threads, and calls (KV tensors of up to a
 gigabyte) are answered on the call channel by theirs. The engine's stats and health go out every
@@ -28,7 +28,7 @@ from serve_app.engine.messages import (
     Abort,
     Accepted,
     Call,
-    Deltas,
+    Outputs,
     Failed,
     FromEngine,
     Health,
@@ -45,9 +45,8 @@ from serve_app.engine.messages import (
     send,
 )
 from serve_app.kv.tiers.tier_chain import RayTiers
-from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.outputs import CoreOutput
 from serve_app.wire.refusals import EngineOverloadedError
-from serve_app.wire.requests import EncodedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +54,9 @@ HEALTH_EVERY_S = 0.2
 
 
 class EngineChild:
-    """Relays the host's messages to an engine: requests in, one message of deltas per scheduler round out.
+    """Relays the host's messages to an engine: requests in, one message of token outputs per scheduler round out.
 
-    Each task's deltas go straight into the outbox, keyed by the id of the host's submit call.
+    Each task's outputs go straight into the outbox, keyed by the id of the host's submit call.
     """
 
     def __init__(self, engine: InferenceEngine, streams: Connection, calls: Connection) -> None:
@@ -66,7 +65,7 @@ class EngineChild:
         self._calls = calls
         self._stream_lock = threading.Lock()
         self._call_lock = threading.Lock()
-        self._outbox: list[tuple[int, StreamDelta]] = []
+        self._outbox: list[tuple[int, CoreOutput]] = []
         self._outbox_lock = threading.Lock()
         # Calls wait for the scheduler; they must not hold up submits, aborts or each other's replies.
         self._max_calls = engine.config.scheduler.max_pending_calls
@@ -90,7 +89,7 @@ class EngineChild:
         engine = self.engine
         self._send_stream(
             Ready(
-                engine.max_model_len, engine.created, engine.tool_format, engine.reasoning_parser, engine.vocab_size,
+                str(engine.runner.path), engine.max_model_len, engine.created, engine.tool_format, engine.reasoning_parser, engine.vocab_size,
                 engine.hidden_size, self._pushed.stats,
             )
         )
@@ -125,8 +124,7 @@ class EngineChild:
     def _handle(self, message: Submit | Abort | Withdraw | ResendPages) -> None:
         match message:
             case Submit(call_id, request):
-                asked = request.request if isinstance(request, EncodedRequest) else request
-                if asked.structured_output is None:
+                if request.request.structured_output is None:
                     self._submitters.submit(self._submit, message)
                     return
                 with self._withdrawals_lock:
@@ -153,9 +151,9 @@ class EngineChild:
 
     def _submit(self, message: Submit, withdrawn: threading.Event | None = None) -> None:
         call_id = message.call_id
-        try:  # tokenizes a GenerateRequest, compiles a grammar: no lock held
+        try:  # compiles a grammar: no lock held
             task = self.engine.queue(
-                message.request, lambda _, delta: self._post(call_id, delta), withdrawn.is_set if withdrawn else lambda: False
+                message.request, lambda _, output: self._post(call_id, output), withdrawn.is_set if withdrawn else lambda: False
             )
         except Exception as error:
             self._send_stream(Refused(call_id, portable(error)))
@@ -164,7 +162,7 @@ class EngineChild:
             if withdrawn is not None:
                 with self._withdrawals_lock:
                     del self._withdrawals[call_id]
-        # Its deltas are keyed by the call id the host already waits on, so they may go out before this.
+        # Its outputs are keyed by the call id the host already waits on, so they may go out before this.
         self._send_stream(Accepted(call_id, task.task_id))
 
     def _read_calls(self) -> None:
@@ -202,17 +200,17 @@ class EngineChild:
             self._pushed = health
             self._send_stream(health)
 
-    def _post(self, call_id: int, delta: StreamDelta) -> None:
-        """A task's delta, on the scheduler thread: into the outbox that goes out once the round is over."""
+    def _post(self, call_id: int, output: CoreOutput) -> None:
+        """A task's output, on the scheduler thread: into the outbox that goes out once the round is over."""
         with self._outbox_lock:
-            self._outbox.append((call_id, delta))
+            self._outbox.append((call_id, output))
 
     def _flush(self) -> None:
         with self._outbox_lock:
-            deltas, self._outbox = self._outbox, []
-        if deltas:
+            outputs, self._outbox = self._outbox, []
+        if outputs:
             try:
-                self._send_stream(Deltas(deltas))
+                self._send_stream(Outputs(outputs))
             except (OSError, ValueError):
                 pass  # the host has gone; the serve loop notices and stops
 

@@ -1,10 +1,10 @@
-"""TokenEmitter: a step's logits in, each sampled task's new tokens accepted and its delta out.
+"""TokenEmitter: a step's logits in, each sampled task's new tokens accepted and its output out (token ids).
 
 A task samples one row, or, where it verified proposed tokens, one row per position: row j holds
 the model's distribution after the task's tokens and the first j proposals. Positions run in
 order, all tasks at once: at each, the rows are masked by their grammars (in the state the tokens
 accepted so far left), sampled (a proposal by rejection sampling), and accepted one token per task,
-with stop strings, `max_tokens` and logprobs exactly as one token per step would. Where sampling the rows
+with stop token ids, `max_tokens` and logprobs exactly as one token per step would. Where sampling the rows
 together raises, each row is sampled alone on the same logits: a row that still raises ends its own task
 with an error, and the forward is never run again. A task goes on to
 the next position only while the model agreed with its proposal, so the tokens emitted are those
@@ -14,7 +14,7 @@ decoding one at a time would give (greedy: identical; sampled: the same distribu
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +22,7 @@ import torch
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.sampling import SamplingBatch, SamplingPipeline
 from serve_app.engine.task import Task
-from serve_app.wire.outputs import StreamDelta, TokenLogprob, merge_deltas
+from serve_app.wire.outputs import CoreOutput, SampledLogprob, merge_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -32,23 +32,22 @@ SAMPLING_FAILED = "sampling this request's next token failed (the engine's log s
 
 @dataclass(frozen=True)
 class Emitted:
-    """One task's outcome of a step: its new tokens as one delta (ending it, if it has a finish reason),
+    """One task's outcome of a step: its new tokens as one output (ending it, if it has a finish reason),
     and how many of its proposals it accepted."""
 
-    delta: StreamDelta
+    output: CoreOutput
     accepted: int
 
 
 class TokenEmitter:
-    def __init__(self, grammars: GrammarCompiler, decode: Callable[[list[int]], str], max_model_len: int) -> None:
+    def __init__(self, grammars: GrammarCompiler, max_model_len: int) -> None:
         self.grammars = grammars
-        self.decode = decode
         self.max_model_len = max_model_len
         self.sampler = SamplingPipeline()
 
     def emit(self, logits: torch.Tensor, tasks: Sequence[Task], first_rows: Sequence[int]) -> list[Emitted]:
         """`logits` [rows, vocab]; task i's rows start at `first_rows[i]`, one more than its `drafts`."""
-        deltas: list[list[StreamDelta]] = [[] for _ in tasks]
+        outputs: list[list[CoreOutput]] = [[] for _ in tasks]
         accepted = [0] * len(tasks)
         live = list(range(len(tasks)))
         position = 0
@@ -63,16 +62,16 @@ class TokenEmitter:
             going_on = []
             for i, task, token, logprob, draft, error in zip(live, group, tokens.tolist(), logprobs, drafts, errors):
                 if error is not None:
-                    deltas[i].append(StreamDelta("", (), "error", error=SAMPLING_FAILED))
+                    outputs[i].append(CoreOutput((), (), "error", error=SAMPLING_FAILED))
                     continue
-                delta = task.accept(int(token), self.max_model_len, logprob)
-                deltas[i].append(delta)
+                output = task.accept(int(token), self.max_model_len, logprob)
+                outputs[i].append(output)
                 agreed = draft is not None and token == draft
                 accepted[i] += agreed
-                if agreed and delta.finish_reason is None:
+                if agreed and output.finish_reason is None:
                     going_on.append(i)
             live, position = going_on, position + 1
-        return [Emitted(merge_deltas(d), a) for d, a in zip(deltas, accepted)]
+        return [Emitted(merge_outputs(o), a) for o, a in zip(outputs, accepted)]
 
     def _sample_isolated(
         self, rows: torch.Tensor, tasks: list[Task], drafts: list[int | None]
@@ -110,10 +109,10 @@ class TokenEmitter:
             rows = _only(rows, unconstrained)
         return self.sampler(rows, batch, drafts if any(d is not None for d in drafts) else None)
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, tasks: list[Task]) -> list[TokenLogprob | None]:
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, tasks: list[Task]) -> list[SampledLogprob | None]:
         """The model's log-probabilities (before any sampling transform) for tasks that asked for them."""
         rows = [i for i, t in enumerate(tasks) if t.sampling.logprobs is not None]
-        out: list[TokenLogprob | None] = [None] * len(tasks)
+        out: list[SampledLogprob | None] = [None] * len(tasks)
         if not rows:
             return out
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
@@ -127,8 +126,8 @@ class TokenEmitter:
             top = ()
             if count:
                 ids, values = top_ids[j, :count].tolist(), top_values[j, :count].tolist()
-                top = tuple((t, self.decode([t]), v) for t, v in zip(ids, values))
-            out[i] = TokenLogprob(token, self.decode([token]), chosen[j], top)
+                top = tuple(zip(ids, values))
+            out[i] = SampledLogprob(token, chosen[j], top)
         return out
 
 

@@ -1,4 +1,5 @@
-"""InferenceEngine: the in-process API over the model runner, the KV cache and the scheduler thread."""
+"""InferenceEngine: the engine core in this process -- the model runner, the KV cache and the scheduler thread --
+reached as a `CoreClient` (`add_request`), with the conveniences of callers in process (`submit`, `generate`)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,24 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from serve_app.config import EngineConfig
 from serve_app.engine.activity_log import ActivityLog, log_start
 from serve_app.engine.cached_kv import CachedKV
 from serve_app.engine.conveniences import Conveniences
+from serve_app.engine.delta_stream import DeltaListener, DeltaStream
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.intake import TaskIntake, reasoning_markers, reasoning_parser
 from serve_app.engine.loop import EngineLoop
-from serve_app.engine.result import GenerateResult
+from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.speculation import Speculator
 from serve_app.engine.stats import engine_stats
 from serve_app.engine.step import ModelStep
 from serve_app.engine.task import Task
-from serve_app.engine.task_output import DeltaSink
+from serve_app.engine.task_output import OutputSink
 from serve_app.engine.tier_loading import TierLoading
 from serve_app.kv.base import KVCache
 from serve_app.kv.factory import build_kv_cache
@@ -35,7 +37,6 @@ from serve_app.model.runner import ModelRunner
 from serve_app.model.tokenizer import Tokenizer
 from serve_app.wire.calls import EngineCall, GetKVConfig, GetStats, ListAdapters, LookupKV, RetrieveKV, StoreKV
 from serve_app.wire.model_card import ToolFormat
-from serve_app.wire.outputs import StreamDelta
 from serve_app.wire.page_events import PageEventLog
 from serve_app.wire.requests import EncodedRequest, GenerateRequest
 
@@ -169,24 +170,24 @@ class InferenceEngine(Conveniences):
         ids = self.tokenizer.prompt_ids(request)
         return EncodedRequest(request, ids, request.client_salt or "", pin_tokens=self.tokenizer.cached_prefix_length(request, ids))
 
-    def submit(
-        self, request: GenerateRequest | EncodedRequest, withdrawn: Callable[[], bool] = lambda: False
-    ) -> GenerateResult:
-        """Validate and queue one request (encoded here if it is not yet); its deltas gather in the result. Raises
-        what `queue` raises, before queueing anything."""
-        encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
-        result = GenerateResult(task_id=-1, prompt_tokens=len(encoded.prompt_ids), _on_abandon=self.abort)
-        result.task_id = self.queue(encoded, lambda _, delta: result.publish(delta), withdrawn).task_id  # -1 until queued
-        return result
+    def submit(self, request: GenerateRequest, listener: DeltaListener | None = None) -> DeltaStream:
+        """Encode a request here and queue it (`add_request`)."""
+        return self.add_request(self.encode(request), listener)
 
-    def queue(
-        self, request: GenerateRequest | EncodedRequest, out: DeltaSink, withdrawn: Callable[[], bool] = lambda: False
-    ) -> Task:
-        """Check a request and queue it, its deltas to go to `out` (on the scheduler thread). Raises
+    def add_request(
+        self, request: EncodedRequest, listener: DeltaListener | None = None, withdrawn: Callable[[], bool] = lambda: False
+    ) -> DeltaStream:
+        """Check an encoded request and queue it; its deltas come through the stream returned (`listener` sees each
+        as it is published, on the scheduler thread). Raises what `queue` raises, before queueing anything."""
+        stream = DeltaStream(OutputProcessor(self.tokenizer, request), self.abort, listener)
+        stream.accepted(self.queue(request, lambda _, output: stream.put(output), withdrawn).task_id)
+        return stream
+
+    def queue(self, request: EncodedRequest, out: OutputSink, withdrawn: Callable[[], bool] = lambda: False) -> Task:
+        """Check a request and queue it, its outputs to go to `out` (on the scheduler thread). Raises
         InvalidRequestError for a request the engine will not run, EngineOverloadedError when too many wait, and
         CompileAbandoned when `withdrawn()` turns true while its grammar compiles."""
-        encoded = request if isinstance(request, EncodedRequest) else self.encode(request)
-        task = self.intake.task(encoded, next(self._task_ids), out, withdrawn)
+        task = self.intake.task(request, next(self._task_ids), out, withdrawn)
         try:
             self.loop.submit(task)
         except BaseException:
@@ -194,33 +195,29 @@ class InferenceEngine(Conveniences):
             raise
         return task
 
-    async def submit_async(self, request: GenerateRequest | EncodedRequest) -> GenerateResult:
-        """`submit` off the event loop (it may tokenize, and compiles grammars). A caller cancelled meanwhile leaves
-        nothing running."""
+    async def add_request_async(self, request: EncodedRequest) -> DeltaStream:
+        """`add_request` off the event loop (it compiles grammars). A caller cancelled meanwhile leaves nothing
+        running."""
         gone = threading.Event()
 
-        def submit() -> GenerateResult:
-            result = self.submit(request, gone.is_set)
+        def add() -> DeltaStream:
+            stream = self.add_request(request, withdrawn=gone.is_set)
             if gone.is_set():
-                self.abort(result.task_id)
-            return result
+                stream.close()
+            return stream
 
-        submitting = asyncio.ensure_future(asyncio.to_thread(submit))
+        adding = asyncio.ensure_future(asyncio.to_thread(add))
         try:
-            return await asyncio.shield(submitting)
+            return await asyncio.shield(adding)
         except asyncio.CancelledError:
             gone.set()
-            submitting.add_done_callback(self._abort_submitted)
+            adding.add_done_callback(self._abort_added)
             raise
 
-    async def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:
-        """One request's deltas as they come, merged when the reader falls behind (`ServingEngine`)."""
-        return (await self.submit_async(request)).astream(coalesce=True)
-
-    def _abort_submitted(self, submitting: asyncio.Future) -> None:
-        """A submit whose caller left after it began: abort what it queued (a second abort is harmless)."""
-        if not submitting.cancelled() and submitting.exception() is None:
-            self.abort(submitting.result().task_id)
+    def _abort_added(self, adding: asyncio.Future) -> None:
+        """An add whose caller left after it began: abort what it queued (a second abort is harmless)."""
+        if not adding.cancelled() and adding.exception() is None:
+            adding.result().close()
 
     def record_page_events(self) -> PageEventLog | None:
         """Log the page hashes the prefix cache publishes and drops (None without one). Drain the log on

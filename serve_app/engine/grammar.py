@@ -39,6 +39,7 @@ from serve_app.wire.requests import StructuredOutput
 if TYPE_CHECKING:
     import xgrammar
 
+    from serve_app.model.detokenizer import IncrementalDetokenizer
     from serve_app.wire.requests import GenerateRequest
 
 # xgrammar's errors start with a timestamp and a source location; the client needs only the rest.
@@ -158,9 +159,10 @@ class GrammarCompiler:
             raise InvalidRequestError(spec.param, f"cannot be enforced: {message}") from None
         return compiled
 
-    def guard(self, request: GenerateRequest) -> AnswerGuard | None:
+    def guard(self, request: GenerateRequest, text: Callable[[], IncrementalDetokenizer]) -> AnswerGuard | None:
         """What holds `request`'s answer beyond its grammar (a JSON or tool-call answer's repeats and
-        lengths); InvalidRequestError where it sets a JSON answer's limit without one."""
+        lengths), reading the answer's text through `text()`; InvalidRequestError where it sets a JSON answer's
+        limit without one."""
         spec = request.structured_output
         limits = {"max_string_tokens": request.max_string_tokens, "max_constrained_tokens": request.max_constrained_tokens}
         for name, value in limits.items():
@@ -176,7 +178,7 @@ class GrammarCompiler:
             return None
         reader = reader_for(spec)
         assert reader is not None, "a tool-call or limited JSON answer has a reader"
-        return AnswerGuard(reader, self.quote_token, request.max_string_tokens, request.max_constrained_tokens)
+        return AnswerGuard(reader, text(), self.quote_token, request.max_string_tokens, request.max_constrained_tokens)
 
     def mask(
         self,

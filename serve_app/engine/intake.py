@@ -12,9 +12,9 @@ import torch
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.harmony import HarmonyMarkers
 from serve_app.engine.reasoning import ReasoningMarkers, ThinkingReader, ThinkingTags
-from serve_app.engine.stopping import StopStringMatcher
+from serve_app.engine.output_processor import skips_special_tokens
 from serve_app.engine.task import AdapterHold, CachePin, Task, TaskAdmission, TaskSampling
-from serve_app.engine.task_output import DeltaSink, TaskOutput
+from serve_app.engine.task_output import OutputSink, TaskOutput
 from serve_app.kv.base import KVCache
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.runner import ModelRunner
@@ -22,19 +22,6 @@ from serve_app.model.tokenizer import Tokenizer
 from serve_app.wire.model_card import ReasoningParser, ToolFormat
 from serve_app.wire.refusals import InvalidRequestError
 from serve_app.wire.requests import EncodedRequest, GenerateRequest, token_id_outside
-
-
-# Tool-call formats whose markers are their models' special tokens (Mistral's [TOOL_CALLS], DeepSeek's
-# <｜tool▁call▁begin｜>, gpt-oss's <|channel|>): their answers keep special tokens in their text, or the calls could
-# not be read (as vLLM does).
-_MARKED_BY_SPECIAL_TOKENS = frozenset({"mistral", "deepseek_v31", "openai"})
-
-
-def _skips_special_tokens(request: GenerateRequest) -> bool:
-    """Whether the request's text leaves special tokens out: as it asks, unless its tool calls are marked by them."""
-    spec = request.structured_output
-    marked = spec is not None and spec.tool_calls is not None and spec.tool_calls.format in _MARKED_BY_SPECIAL_TOKENS
-    return request.skip_special_tokens and not marked
 
 
 def reasoning_parser(asked: ReasoningParser | None, tool_format: ToolFormat) -> ReasoningParser | None:
@@ -74,8 +61,8 @@ class TaskIntake:
         self.scheduling_policy = scheduling_policy
         self.max_model_len = runner.max_model_len
 
-    def task(self, encoded: EncodedRequest, task_id: int, out: DeltaSink, withdrawn: Callable[[], bool]) -> Task:
-        """`encoded` as task `task_id`, its deltas to go to `out`. Raises InvalidRequestError for a request the
+    def task(self, encoded: EncodedRequest, task_id: int, out: OutputSink, withdrawn: Callable[[], bool]) -> Task:
+        """`encoded` as task `task_id`, its outputs to go to `out`. Raises InvalidRequestError for a request the
         engine will not run, EngineOverloadedError when too many wait for a compile, and CompileAbandoned when
         `withdrawn()` turns true while its grammar compiles."""
         request, prompt_ids = encoded.request, encoded.prompt_ids
@@ -92,7 +79,9 @@ class TaskIntake:
         spec = request.structured_output
         analysis = request.thinking_token_budget != 0  # a harmony grammar without thinking has no analysis channel
         matcher = self.grammars.matcher(spec, withdrawn, analysis) if spec is not None else None
-        guard = self.grammars.guard(request)
+        guard = self.grammars.guard(
+            request, lambda: IncrementalDetokenizer(self.tokenizer, prompt_ids, skips_special_tokens(request))
+        )
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
@@ -107,14 +96,7 @@ class TaskIntake:
         prefix = request.cache_prefix
         pin = CachePin(encoded.pin_tokens, prefix.ttl_s) if prefix is not None and encoded.pin_tokens else None
         sampling = TaskSampling(params, frozenset(stop_ids), request.min_tokens, generator, matcher, request.logprobs)
-        output = TaskOutput(
-            out,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, _skips_special_tokens(request)),
-            StopStringMatcher(request.stop, request.include_stop_str_in_output),
-            guard,
-            thinking,
-            request.embed,
-        )
+        output = TaskOutput(out, guard, thinking, request.embed)
         admission = TaskAdmission(encoded.prefix_salt, request.priority, pin)
         # The adapter's slot is taken last: nothing after it can fail, and the task gives it back when it ends.
         adapter = self._adapter(request.lora)

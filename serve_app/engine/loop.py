@@ -16,7 +16,7 @@ from serve_app.engine.scheduler import Batch, Scheduler
 from serve_app.engine.step import ModelStep
 from serve_app.engine.task import Task, TaskState
 from serve_app.kv.tiers.pages import LoadedPages
-from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.outputs import CoreOutput
 from serve_app.wire.refusals import EngineOverloadedError
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class EngineLoop:
                 ran = True
             except Exception:
                 logger.exception("task %d failed", task.task_id)
-                self.scheduler.finish(task, StreamDelta("", (), "error", error=STEP_FAILED))
+                self.scheduler.finish(task, CoreOutput((), (), "error", error=STEP_FAILED))
         if ran:
             self._failed_steps = 0
         return ran

@@ -6,7 +6,7 @@ Two connections join them, so that a big answer never holds up a stream:
     Submit(call_id, request)                Ready(...) or Failed(reason), once, first
     Abort(task_id)                          Accepted(call_id, task_id) or Refused(call_id, error)
     Withdraw(call_id)
-    ResendPages()                           Deltas([(call_id, StreamDelta), ...]), one per scheduler round
+    ResendPages()                           Outputs([(call_id, CoreOutput), ...]), one per scheduler round
     Shutdown()                              Health(stats, healthy), when they change
                                             PagesChanged(batch), after a round that cached or evicted pages
 
@@ -14,8 +14,8 @@ Two connections join them, so that a big answer never holds up a stream:
     Call(call_id, EngineCall)               Reply(call_id, ok, value or error)
 
 The host sends the `EngineConfig` (JSON bytes) on the stream channel before anything else. A
-request's deltas are keyed by its submit's call id, so they may arrive before its `Accepted`. KV tensors of up to a gigabyte travel
-only on the call channel. Messages are plain pickles (`send`, `receive`), not multiprocessing's,
+request's outputs are token ids (the host makes their text), keyed by its submit's call id, so they may arrive
+before its `Accepted`. KV tensors of up to a gigabyte travel only on the call channel. Messages are plain pickles (`send`, `receive`), not multiprocessing's,
 which would move tensors to shared memory.
 """
 
@@ -28,16 +28,17 @@ from typing import Any
 
 from serve_app.wire.calls import EngineCall
 from serve_app.wire.model_card import ReasoningParser, ToolFormat
-from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.outputs import CoreOutput
 from serve_app.wire.page_events import PageEventBatch
-from serve_app.wire.requests import EncodedRequest, GenerateRequest
+from serve_app.wire.requests import EncodedRequest
 
 
 @dataclass(frozen=True)
 class Ready:
-    """The engine is loaded: its context limit, creation time, tool-call format, reasoning parser, vocabulary size
-    and first stats."""
+    """The engine is loaded: its model's folder (for the host's tokenizer), context limit, creation time, tool-call
+    format, reasoning parser, vocabulary size and first stats."""
 
+    model_path: str
     max_model_len: int
     created: int
     tool_format: ToolFormat
@@ -57,7 +58,7 @@ class Failed:
 @dataclass(frozen=True)
 class Submit:
     call_id: int
-    request: GenerateRequest | EncodedRequest
+    request: EncodedRequest
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,11 @@ class Refused:
 
 
 @dataclass(frozen=True)
-class Deltas:
-    """Every delta one scheduler round published, in order, each with its request's submit call id."""
+class Outputs:
+    """Every output one scheduler round published (token ids, logprobs, finish reasons, usage), in order, each with
+    its request's submit call id."""
 
-    items: list[tuple[int, StreamDelta]]
+    items: list[tuple[int, CoreOutput]]
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ class Reply:
 
 
 ToEngine = Submit | Abort | Withdraw | ResendPages | Shutdown | Call
-FromEngine = Ready | Failed | Accepted | Refused | Deltas | Health | PagesChanged | Reply
+FromEngine = Ready | Failed | Accepted | Refused | Outputs | Health | PagesChanged | Reply
 
 
 def send(conn: Connection, message: ToEngine | FromEngine) -> None:

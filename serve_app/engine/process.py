@@ -1,4 +1,4 @@
-"""EngineProcess: an InferenceEngine in a child process, with the engine's serving API in this one.
+"""EngineProcess: an InferenceEngine in a child process, reached as a `CoreClient` from this one.
 
 The scheduler thread then shares no interpreter lock with its host. In a Ray Serve replica that
 host runs event loops, Ray's threads and a serializer for every streamed item; sharing one
@@ -7,9 +7,10 @@ through HTTP 0.093 s in the replica, 0.074 s in its own process).
 
 Nothing here blocks a caller's event loop: messages go out through one writer thread per
 channel (a caller only queues them), and two reader threads hand the child's messages on: each
-delta into its request's `DeltaQueue` (made when the request is sent, so its deltas may come
-before the engine's `Accepted`), each answer to its caller's future. A caller that gives up at any
-moment (a cancelled `submit_async` or `answer_async`) costs only its own request: a request the
+output (token ids) into its request's `DeltaStream`, whose output processor makes its text here, out of
+the engine's process (the stream is made when the request is sent, so its outputs may come before the
+engine's `Accepted`), each answer to its caller's future. A caller that gives up at any
+moment (a cancelled `add_request_async` or `answer_async`) costs only its own request: a request the
 engine accepts for a caller that has gone is aborted there. The wire is `serve_app.engine.messages`.
 """
 
@@ -26,15 +27,18 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from serve_app.config import EngineConfig
 from serve_app.engine.channel import ChannelWriter, EngineProcessError, settle, wait_ready
+from serve_app.engine.delta_stream import DeltaListener, DeltaStream
+from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.messages import (
     Abort,
     Accepted,
     Call,
-    Deltas,
+    Outputs,
     Health,
     PagesChanged,
     Refused,
@@ -46,11 +50,11 @@ from serve_app.engine.messages import (
     Withdraw,
     receive,
 )
-from serve_app.engine.delta_queue import DeltaQueue
+from serve_app.model.tokenizer import Tokenizer
 from serve_app.wire.calls import EngineCall
-from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.outputs import CoreOutput
 from serve_app.wire.page_events import PageEventBatch, PageEventBuffer
-from serve_app.wire.requests import EncodedRequest, GenerateRequest
+from serve_app.wire.requests import EncodedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +81,7 @@ class EngineProcess:
         except EngineProcessError:
             self._stop_process()
             raise
+        self.tokenizer = Tokenizer(Path(ready.model_path))  # the text of the engine's token ids is made here
         self.max_model_len = ready.max_model_len
         self.created = ready.created
         self.tool_format = ready.tool_format
@@ -88,7 +93,7 @@ class EngineProcess:
         self._lock = threading.Lock()  # guards the tables below and `_exit_reason`
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}  # call id -> the answer to a submit or a call
-        self._requests: dict[int, DeltaQueue] = {}  # submit call id -> its request's deltas, until the last
+        self._requests: dict[int, DeltaStream] = {}  # submit call id -> its request's deltas, until the last
         self._exit_reason: str | None = None
         self._stream_writer = ChannelWriter(self._streams, "engine-process-stream-writer", self._fail_everything)
         self._call_writer = ChannelWriter(self._calls, "engine-process-call-writer", self._fail_everything)
@@ -100,17 +105,17 @@ class EngineProcess:
             reader.start()
 
     # -- the serving API ----------------------------------------------------------------------
-    def submit(self, request: GenerateRequest | EncodedRequest) -> DeltaQueue:
+    def add_request(self, request: EncodedRequest, listener: DeltaListener | None = None) -> DeltaStream:
         """Queue one request; raise what the engine raised if it refused it."""
-        accepted, stream = self._submit(request)
-        stream.task_id = accepted.result()
+        accepted, stream = self._submit(request, listener)
+        stream.accepted(accepted.result())
         return stream
 
-    async def submit_async(self, request: GenerateRequest | EncodedRequest) -> DeltaQueue:
-        """As `submit`; a caller cancelled while it waits leaves nothing running in the engine."""
+    async def add_request_async(self, request: EncodedRequest) -> DeltaStream:
+        """As `add_request`; a caller cancelled while it waits leaves nothing running in the engine."""
         accepted, stream = self._submit(request)
         try:
-            stream.task_id = await asyncio.wrap_future(accepted)
+            stream.accepted(await asyncio.wrap_future(accepted))
         except asyncio.CancelledError:
             accepted.add_done_callback(self._abort_accepted)
             if stream.call_id is not None:
@@ -119,13 +124,10 @@ class EngineProcess:
             raise
         return stream
 
-    async def stream(self, request: EncodedRequest) -> DeltaQueue:
-        return await self.submit_async(request)
-
-    def _submit(self, request: GenerateRequest | EncodedRequest) -> tuple[Future, DeltaQueue]:
+    def _submit(self, request: EncodedRequest, listener: DeltaListener | None = None) -> tuple[Future, DeltaStream]:
         """The future of the task id the engine accepts the request as, and the request's stream (its deltas may
         come first, even all of them)."""
-        stream = DeltaQueue(self._abandon)
+        stream = DeltaStream(OutputProcessor(self.tokenizer, request), self._abandon, listener)
 
         def message(call_id: int) -> Submit:
             self._requests[call_id] = stream  # under the lock, before the engine can send a delta
@@ -221,9 +223,9 @@ class EngineProcess:
 
     def _dispatch(self, message: Any) -> None:
         match message:
-            case Deltas(items):
-                for call_id, delta in items:
-                    self._publish(call_id, delta)
+            case Outputs(items):
+                for call_id, output in items:
+                    self._publish(call_id, output)
             case Accepted(call_id, task_id):
                 with self._lock:
                     future = self._pending.pop(call_id)
@@ -249,13 +251,13 @@ class EngineProcess:
             case _:
                 logger.error("unknown message from the engine process: %r", message)
 
-    def _publish(self, call_id: int, delta: StreamDelta) -> None:
+    def _publish(self, call_id: int, output: CoreOutput) -> None:
         with self._lock:
             stream = self._requests.get(call_id)
-            if stream is not None and delta.finish_reason is not None:
+            if stream is not None and output.finish_reason is not None:
                 del self._requests[call_id]
         if stream is not None:
-            stream.put(delta)
+            stream.put(output)
 
     def _abort_accepted(self, future: Future) -> None:
         """Done-callback of a submit whose caller was cancelled: abort the request if the engine took it."""
@@ -279,7 +281,7 @@ class EngineProcess:
         for future in pending:
             settle(future, error=EngineProcessError(reason))
         for stream in streams:
-            stream.put(StreamDelta("", (), "error", error=reason))
+            stream.put(CoreOutput((), (), "error", error=reason))
         if pending or streams:
             logger.error("%s; %d answers awaited and %d request streams failed", reason, len(pending), len(streams))
 

@@ -3,7 +3,7 @@
 Each round it makes room for every running decode (preempting the task the scheduling policy ranks last,
 by recompute, when pages run out), admits waiting tasks in the policy's order while memory lasts, and packs all decode tokens (with their
 proposed tokens, under speculative decoding) and prefill chunks into one batch. After the forward
-it records what the cache now holds, and after sampling it publishes each task's delta or ends it.
+it records what the cache now holds, and after sampling it publishes each task's output or ends it.
 The loop (`loop.py`) calls it from the engine's thread; the step (`step.py`) runs the model.
 """
 
@@ -24,7 +24,7 @@ from serve_app.kv.base import KVCache
 from serve_app.kv.tiers.pages import LoadedPages
 from serve_app.kv.view import BatchEntry
 from serve_app.wire.calls import ITERATION_TOKEN_BUCKETS
-from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.outputs import CoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -136,20 +136,20 @@ class Scheduler:
             self.speculator.step_times.record(sum(entry.num_new for entry in batch.entries), seconds)
 
     def postprocess(self, tasks: Sequence[Task], emitted: Sequence[Emitted]) -> None:
-        """Each sampled task's outcome: its accepted proposals kept, then its delta published or its end."""
+        """Each sampled task's outcome: its accepted proposals kept, then its output published or its end."""
         for task, outcome in zip(tasks, emitted):
-            self.stats.total_tokens += len(outcome.delta.token_ids)
+            self.stats.total_tokens += len(outcome.output.token_ids)
             if task.drafts:
                 assert self.speculator is not None and task.speculation is not None
-                self.speculator.record(task.speculation, len(task.drafts), outcome.accepted, len(outcome.delta.token_ids))
+                self.speculator.record(task.speculation, len(task.drafts), outcome.accepted, len(outcome.output.token_ids))
                 task.drafts = []
                 # The accepted proposals' k/v are the forward's; the rest is written over next step.
                 task.num_computed += outcome.accepted
                 self.cache.commit(task.task_id, task.tokens, task.num_computed)
-            if outcome.delta.finish_reason is not None:
-                self.finish(task, outcome.delta)
+            if outcome.output.finish_reason is not None:
+                self.finish(task, outcome.output)
             else:
-                task.publish(outcome.delta)
+                task.publish(outcome.output)
 
     # -- memory ---------------------------------------------------------------------------------
     def _make_room_for_decodes(self) -> None:
@@ -161,7 +161,7 @@ class Scheduler:
                 victim = max(self.running, key=rank)
                 if victim is task and len(self.running) == 1:
                     # Alone and still out of memory: the cache cannot hold this task any longer.
-                    self.finish(task, task.closing_delta("length"))
+                    self.finish(task, CoreOutput((), (), "length"))
                     break
                 self._preempt(victim)
                 if victim is task:
@@ -183,7 +183,7 @@ class Scheduler:
             task = self.waiting.first()
             if task.num_tokens > self.cache.max_task_tokens:
                 self.waiting.pop_first()
-                self.finish(task, task.closing_delta("length"))
+                self.finish(task, CoreOutput((), (), "length"))
                 continue
             if self.tiers is not None and self.tiers.send(task):
                 self.waiting.pop_first()  # it waits aside for its pages; the next may go first
@@ -251,20 +251,20 @@ class Scheduler:
         if not task_ids:
             return
         for task in [t for t in [*self.running, *self.waiting, *self._loading()] if t.task_id in task_ids]:
-            self.finish(task, StreamDelta("", (), "cancelled"))
+            self.finish(task, CoreOutput((), (), "cancelled"))
 
     def fail_running(self, error: str) -> None:
         """End every running task with `error` (a round that failed outside any one task's step)."""
         for task in list(self.running):
-            self.finish(task, StreamDelta("", (), "error", error=error))
+            self.finish(task, CoreOutput((), (), "error", error=error))
 
     def cancel_all(self, also: Iterable[Task] = ()) -> None:
         """End every task it holds, and `also` (tasks not handed to it yet), as cancelled."""
         for task in [*self.running, *self.waiting, *also, *self._loading()]:
-            self.finish(task, StreamDelta("", (), "cancelled"))
+            self.finish(task, CoreOutput((), (), "cancelled"))
 
-    def finish(self, task: Task, delta: StreamDelta) -> None:
-        """Free the task's memory, then publish its final delta."""
+    def finish(self, task: Task, output: CoreOutput) -> None:
+        """Free the task's memory, then publish its last output."""
         if task.state is TaskState.RUNNING:
             self.cache.release(task.task_id)
             self.running.remove(task)
@@ -274,7 +274,7 @@ class Scheduler:
             self.tiers.forget(task)
         task.state = TaskState.FINISHED
         task.release()
-        task.publish(delta)
+        task.publish(output)
 
     def _loading(self) -> list[Task]:
         return list(self.tiers.loading.values()) if self.tiers is not None else []

@@ -9,14 +9,14 @@ from serve_app.engine.emitting import Emitted, TokenEmitter
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.scheduler import Batch, Scheduler
 from serve_app.model.runner import ForwardBatch, ModelRunner
-from serve_app.wire.outputs import StreamDelta
+from serve_app.wire.outputs import CoreOutput
 
 
 class ModelStep:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, grammars: GrammarCompiler) -> None:
         self.runner = runner
         self.scheduler = scheduler
-        self.emitter = TokenEmitter(grammars, runner.tokenizer.decode, scheduler.max_model_len)
+        self.emitter = TokenEmitter(grammars, scheduler.max_model_len)
 
     def run(self, batch: Batch) -> None:
         """One forward over `batch`, then sampling for the tasks at the end of their tokens (a task with
@@ -56,4 +56,4 @@ def _embedded(state: torch.Tensor) -> Emitted:
     """An embed task's outcome: its last prompt token's final hidden state, L2-normalized (vLLM's pooling of a decoder
     model: last token, normalized)."""
     vector = torch.nn.functional.normalize(state.float(), dim=-1)
-    return Emitted(StreamDelta("", (), "stop", embedding=tuple(vector.tolist())), 0)
+    return Emitted(CoreOutput((), (), "stop", embedding=tuple(vector.tolist())), 0)

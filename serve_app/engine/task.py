@@ -15,7 +15,7 @@ import torch
 from serve_app.engine.speculation import TaskSpeculation
 from serve_app.engine.task_output import TaskOutput
 from serve_app.kv.tiers.pages import LoadedPages
-from serve_app.wire.outputs import FinishReason, StreamDelta, TokenLogprob, Usage
+from serve_app.wire.outputs import CoreOutput, SampledLogprob, Usage
 from serve_app.wire.requests import SamplingParams
 
 if TYPE_CHECKING:
@@ -149,16 +149,16 @@ class Task:
         if self.adapter is not None:
             self.adapter.release()
 
-    def publish(self, delta: StreamDelta) -> None:
-        """Send a delta on (the first with the usage so far and the queue time, the last with the final usage)."""
-        self.output.publish(self.task_id, delta, self.usage, self.admission.queue_time_s)
+    def publish(self, output: CoreOutput) -> None:
+        """Send an output on (the first with the usage so far and the queue time, the last with the final usage)."""
+        self.output.publish(self.task_id, output, self.usage, self.admission.queue_time_s)
 
-    def accept(self, token: int, max_model_len: int, logprob: TokenLogprob | None = None) -> StreamDelta:
-        """Append a sampled token; return the text it adds and, when it ends the task, why.
+    def accept(self, token: int, max_model_len: int, logprob: SampledLogprob | None = None) -> CoreOutput:
+        """Append a sampled token; return it with what it is part of and, when it ends the task, why.
 
         A structured-output task whose grammar has just ended stops here, `ignore_eos` or not; so does one
-        whose guard ends it (a repeated call, its constrained tokens spent). Thinking text goes out as
-        reasoning, past the grammar, the guard and the stop strings, which hold the answer.
+        whose guard ends it (a repeated call, its constrained tokens spent). Thinking goes out as such, past the
+        grammar and the guard, which hold the answer.
         """
         thinking, sampling = self.output.thinking, self.sampling
         was_thinking = thinking is not None and thinking.open
@@ -166,14 +166,10 @@ class Task:
         reads = phase == "answer" or (phase == "tag" and thinking is not None and thinking.grammar_reads_tags)
         matcher = sampling.matcher if reads else None
         if matcher is not None and not matcher.accept_token(token):
-            return StreamDelta("", (), "error", error=f"token {token} was sampled outside the request's grammar")
+            return CoreOutput((), (), "error", error=f"token {token} was sampled outside the request's grammar")
         self.tokens.append(token)
         logprobs = (logprob,) if logprob is not None else ()
         if (matcher is not None and matcher.is_terminated()) or token in sampling.stop_token_ids:
-            return self.output.closing_delta("stop", (token,), logprobs=logprobs)
+            return CoreOutput((token,), ("end",), "stop", logprobs)
         at_limit = self.num_output >= self.max_tokens or self.num_tokens >= max_model_len
-        return self.output.delta(token, phase, was_thinking, logprobs, self.num_output < sampling.min_tokens, at_limit)
-
-    def closing_delta(self, reason: FinishReason) -> StreamDelta:
-        """The last delta, when the task ends for `reason` between tokens (what its output still holds)."""
-        return self.output.closing_delta(reason)
+        return self.output.token(token, phase, was_thinking, logprobs, at_limit)

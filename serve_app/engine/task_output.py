@@ -1,6 +1,6 @@
-"""TaskOutput: what one request's tokens become on their way out of the engine -- its text (detokenized, held to
-its stop strings and its answer guard), its reasoning (apart, past them), the deltas that carry them and where those
-go (`DeltaSink`: a result in process, the engine process's outbox in its own)."""
+"""TaskOutput: what one request's tokens become on their way out of the engine core -- token ids with what each is
+part of (`CoreOutput`), the usage on the first, the last and where the thinking's count changed -- and where they
+go (`OutputSink`: a stream in process, the engine process's outbox in its own). Text is made outside the core."""
 
 from __future__ import annotations
 
@@ -8,85 +8,48 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from serve_app.engine.stopping import StopStringMatcher
-from serve_app.model.detokenizer import IncrementalDetokenizer
-from serve_app.wire.outputs import FinishReason, StreamDelta, TokenLogprob, Usage
+from serve_app.wire.outputs import CoreOutput, FinishReason, SampledLogprob, Usage
 
 if TYPE_CHECKING:
     from serve_app.engine.answer_guard import AnswerGuard
     from serve_app.engine.reasoning import Phase, ThinkingReader
 
-# Where a task's deltas go: called with its id and each delta, on the engine's thread (keep it tiny).
-DeltaSink = Callable[[int, StreamDelta], None]
+# Where a task's outputs go: called with its id and each output, on the engine's thread (keep it tiny).
+OutputSink = Callable[[int, CoreOutput], None]
 
 
 @dataclass
 class TaskOutput:
-    """One request's way out: where its deltas go, how its tokens become text and reasoning, and whether its outcome
-    is its prompt's embedding instead."""
+    """One request's way out: where its outputs go, what reads its thinking and guards its answer, and whether its
+    outcome is its prompt's embedding instead."""
 
-    out: DeltaSink
-    detokenizer: IncrementalDetokenizer
-    stop_strings: StopStringMatcher
+    out: OutputSink
     guard: AnswerGuard | None = None  # a JSON or tool-call answer's repeats and lengths
     thinking: ThinkingReader | None = None  # a reasoning model's thinking, before the answer its grammar holds
     embed: bool = False  # its prompt's embedding is its outcome: it ends when its prefill does
-    published: bool = False  # a delta has gone out
+    published: bool = False  # an output has gone out
+    reported_reasoning: int = 0  # the thinking's token count the last usage sent said
 
-    def publish(self, task_id: int, delta: StreamDelta, usage: Usage, queue_time_s: float | None) -> None:
-        """Send a delta on: the first carries the usage so far and the queue time, the last the final usage."""
+    def publish(self, task_id: int, output: CoreOutput, usage: Usage, queue_time_s: float | None) -> None:
+        """Send an output on: the first carries the usage so far and the queue time, the last the final usage, and
+        one after the thinking's count changed the usage so far (an output processor that ends the request early
+        reports it)."""
         if not self.published:
             self.published = True
-            delta = replace(delta, usage=usage, queue_time_s=queue_time_s)
-        elif delta.finish_reason is not None:
-            delta = replace(delta, usage=usage)
-        self.out(task_id, delta)
+            output = replace(output, usage=usage, queue_time_s=queue_time_s)
+        elif output.finish_reason is not None or usage.reasoning_tokens != self.reported_reasoning:
+            output = replace(output, usage=usage)
+        self.reported_reasoning = usage.reasoning_tokens
+        self.out(task_id, output)
 
-    def delta(
-        self,
-        token: int,
-        phase: Phase,
-        was_thinking: bool,
-        logprobs: tuple[TokenLogprob, ...],
-        under_min_tokens: bool,
-        at_limit: bool,
-    ) -> StreamDelta:
-        """What an accepted token adds: reasoning while thinking, else text through the guard and the stop strings
-        (which end no answer under `min_tokens`); a tag adds neither, and what the detokenizer held goes out before
-        it to the side it belonged to. `at_limit`: the token spent the task's budget or the context."""
-        if phase == "tag":
-            held = self.detokenizer.flush()
-            self.detokenizer.skip(token)
-        else:
-            held = self.detokenizer.push(token)
-        if phase == "thinking" or (phase == "tag" and was_thinking):
-            if at_limit:
-                closing = self.closing_delta("length", (token,), logprobs=logprobs)
-                return replace(closing, reasoning=held + closing.reasoning)
-            return StreamDelta("", (token,), logprobs=logprobs, reasoning=held)
-        if self.guard is not None and (reason := self.guard.after(held)) is not None:
-            return self.closing_delta(reason, (token,), self.stop_strings.feed(held), logprobs)
-        stops = self.stop_strings
-        text = stops.pass_through(held) if under_min_tokens else stops.feed(held)
-        if stops.matched is not None:
-            return StreamDelta(text, (token,), "stop", logprobs, stop_string=stops.matched)
-        if at_limit:
-            return self.closing_delta("length", (token,), text, logprobs)
-        return StreamDelta(text, (token,), logprobs=logprobs)
-
-    def closing_delta(
-        self,
-        reason: FinishReason,
-        token_ids: tuple[int, ...] = (),
-        text: str = "",
-        logprobs: tuple[TokenLogprob, ...] = (),
-    ) -> StreamDelta:
-        """The last delta: `text` plus whatever the detokenizer and stop matcher still hold (as reasoning, where
-        the thinking is still open)."""
-        if self.thinking is not None and self.thinking.open:
-            reasoning = self.detokenizer.flush()
-            return StreamDelta(text + self.stop_strings.flush(), token_ids, reason, logprobs, reasoning=reasoning)
-        text += self.stop_strings.feed(self.detokenizer.flush())
-        if self.stop_strings.matched is not None:
-            return StreamDelta(text, token_ids, "stop", logprobs, stop_string=self.stop_strings.matched)
-        return StreamDelta(text + self.stop_strings.flush(), token_ids, reason, logprobs)
+    def token(
+        self, token: int, phase: Phase, was_thinking: bool, logprobs: tuple[SampledLogprob, ...], at_limit: bool
+    ) -> CoreOutput:
+        """What an accepted token adds: its id and part, and why it ends the task if it does -- its guard (a repeated
+        call, the constrained tokens spent) reading the answer, or `at_limit` (it spent the budget or the context)."""
+        reason: FinishReason | None = None
+        if self.guard is not None:
+            reason = self.guard.read(token, phase, was_thinking)
+        if reason is None and at_limit:
+            reason = "length"
+        return CoreOutput((token,), (phase,), reason, logprobs)

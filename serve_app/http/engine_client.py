@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from serve_app.engine.serving import answer_or_refusal, open_stream
+from serve_app.engine.core_client import answer_or_refusal, open_stream
 from serve_app.http.prompt_encoder import PromptEncoder
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.wire.calls import EngineCall

@@ -133,8 +133,8 @@ def test_serving_batches_of_every_kind_recompiles_nothing(compiled: InferenceEng
         GenerateRequest(prompt=list(range(400, 470)), lora="y", max_tokens=4, temperature=0, ignore_eos=True),
     ]
     results = [compiled.submit(r) for r in requests]
-    for request, result in zip(requests, results):
-        assert len(result.wait(300).token_ids) == request.max_tokens and result.finish_reason == "length"
+    for request, result in zip(requests, [r.wait(300) for r in results]):
+        assert len(result.token_ids) == request.max_tokens and result.finish_reason == "length"
     assert counters["stats"]["unique_graphs"] == graphs
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app import EngineConfig, GenerateRequest, InferenceEngine
+from serve_app import EngineConfig, GenerateRequest, InferenceEngine, StreamDelta
 from serve_app.bench.idle import wait_idle
 from serve_app.model.loader import ModelNotFoundError
 
@@ -76,12 +76,14 @@ def test_closing_a_stream_cancels_the_task(engine: InferenceEngine) -> None:
 
 
 def test_abort_by_task_id(engine: InferenceEngine) -> None:
-    result = engine.submit(GenerateRequest(prompt="Once upon a time", max_tokens=500, ignore_eos=True))
-    while not result.token_ids:
+    seen: list[StreamDelta] = []
+    stream = engine.submit(GenerateRequest(prompt="Once upon a time", max_tokens=500, ignore_eos=True), seen.append)
+    while not seen:
         time.sleep(0.005)
-    engine.abort(result.task_id)
-    assert result.wait(10).finish_reason == "cancelled"
-    assert len(result.token_ids) < 500
+    assert stream.task_id is not None
+    engine.abort(stream.task_id)
+    result = stream.wait(10)
+    assert result.finish_reason == "cancelled" and len(result.token_ids) < 500
 
 
 def test_async_consumer_that_stops_early_cancels(engine: InferenceEngine) -> None:
@@ -102,31 +104,31 @@ def test_async_consumer_that_stops_early_cancels(engine: InferenceEngine) -> Non
     assert after["total_tokens"] - before["total_tokens"] < 400  # cut short, not run to max_tokens
 
 
-def test_an_async_submit_whose_caller_leaves_leaves_nothing_running(
+def test_an_async_add_whose_caller_leaves_leaves_nothing_running(
     engine: InferenceEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     before = engine.get_stats()
-    tokenizing, release = threading.Event(), threading.Event()
-    encode = engine.tokenizer.encode
+    checking, release = threading.Event(), threading.Event()
+    make_task = engine.intake.task
 
-    def slow_encode(text: str) -> list[int]:
-        tokenizing.set()
+    def slow_task(*args, **kwargs):  # as a grammar's compile would be
+        checking.set()
         assert release.wait(30)
-        return encode(text)
+        return make_task(*args, **kwargs)
 
-    monkeypatch.setattr(engine.tokenizer, "encode", slow_encode)
+    monkeypatch.setattr(engine.intake, "task", slow_task)
 
-    async def leave_while_tokenizing() -> None:
-        request = GenerateRequest(prompt="Go on and on:", max_tokens=400, ignore_eos=True)
-        submitting = asyncio.create_task(engine.submit_async(request))
-        while not tokenizing.is_set():
+    async def leave_while_checking() -> None:
+        request = engine.encode(GenerateRequest(prompt="Go on and on:", max_tokens=400, ignore_eos=True))
+        adding = asyncio.create_task(engine.add_request_async(request))
+        while not checking.is_set():
             await asyncio.sleep(0.005)
-        submitting.cancel()
+        adding.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await submitting
-        release.set()  # the submit now queues the request, which must be aborted
+            await adding
+        release.set()  # the add now queues the request, which must be aborted
 
-    asyncio.run(leave_while_tokenizing())
+    asyncio.run(leave_while_checking())
     after = wait_idle(engine.get_stats, timeout=10)
     assert after["total_tasks"] - before["total_tasks"] == 1
     assert after["total_tokens"] - before["total_tokens"] < 400  # aborted, not run to max_tokens
@@ -170,8 +172,7 @@ def test_stats_count_what_the_engine_did(engine: InferenceEngine) -> None:
     prompt = engine.tokenizer.encode("Stats are counted here. " * 6)  # more than two full pages
     first = engine.submit(GenerateRequest(prompt=prompt, max_tokens=5, ignore_eos=True, temperature=0)).wait(60)
     running = engine.get_stats()
-    second = engine.submit(GenerateRequest(prompt=prompt, max_tokens=3, ignore_eos=True, temperature=0))
-    second.wait(60)
+    second = engine.submit(GenerateRequest(prompt=prompt, max_tokens=3, ignore_eos=True, temperature=0)).wait(60)
     after = wait_idle(engine.get_stats)
     assert after["total_tasks"] - before["total_tasks"] == 2
     assert after["total_tokens"] - before["total_tokens"] == 5 + 3
@@ -194,10 +195,12 @@ def test_unknown_model_and_unknown_option_are_value_errors(tmp_path: Path) -> No
 
 def test_shutdown_cancels_unfinished_requests(tiny_llama_path: Path) -> None:
     eng = InferenceEngine(compile=False, model=str(tiny_llama_path), cache_tokens=2048)
-    result = eng.submit(GenerateRequest(prompt="Go on forever", max_tokens=900, ignore_eos=True))
-    while not result.token_ids:
+    seen: list[StreamDelta] = []
+    stream = eng.submit(GenerateRequest(prompt="Go on forever", max_tokens=900, ignore_eos=True), seen.append)
+    while not seen:
         time.sleep(0.005)
     eng.shutdown()
-    assert result.wait(10).finish_reason == "cancelled" and len(result.token_ids) < 900
+    result = stream.wait(10)
+    assert result.finish_reason == "cancelled" and len(result.token_ids) < 900
     with pytest.raises(RuntimeError, match="shut down"):
         eng.submit(GenerateRequest(prompt="late", max_tokens=1))

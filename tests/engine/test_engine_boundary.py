@@ -20,7 +20,7 @@ from serve_app.engine.engine import InferenceEngine
 from serve_app.engine.messages import (
     Accepted,
     Call,
-    Deltas,
+    Outputs,
     Health,
     PagesChanged,
     Ready,
@@ -34,14 +34,16 @@ from serve_app.kv.prefix_cache import page_hashes
 from serve_app.wire.calls import RetrieveKV
 from serve_app.wire.page_events import PageEventBatch
 from serve_app.wire.refusals import EngineOverloadedError
-from serve_app.wire.requests import GenerateRequest
+from serve_app.wire.requests import EncodedRequest, GenerateRequest
 
 OPTIONS = dict(kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=512)
 LONG_PROMPT = list(range(1, 449))  # 28 pages: its KV is far bigger than the call channel's socket buffer
 
 
-def _greedy(prompt: list[int] | None = None, max_tokens: int = 12, **extra) -> GenerateRequest:
-    return GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)
+def _greedy(prompt: list[int], max_tokens: int = 12, client_salt: str = "") -> EncodedRequest:
+    """A greedy request of token ids, as the engine runs it (its client's salt its tenant salt, as in process)."""
+    request = GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return EncodedRequest(request, prompt, client_salt)
 
 
 class ChildOverSockets:
@@ -74,18 +76,18 @@ class ChildOverSockets:
 
     def finish_of(self, call_id: int, timeout: float = 30.0) -> tuple[int, list[int]]:
         """Read the stream channel until the request of `call_id` has been accepted and has finished: (task id,
-        its tokens). Its deltas carry the call id, and may come before its `Accepted`."""
+        its tokens). Its outputs carry the call id, and may come before its `Accepted`."""
         deadline = time.monotonic() + timeout
         task_id, tokens, finished = None, [], False
         while time.monotonic() < deadline:
             message = self.next_stream_message(deadline - time.monotonic())
             if isinstance(message, Accepted) and message.call_id == call_id:
                 task_id = message.task_id
-            if isinstance(message, Deltas):
-                for call, delta in message.items:
+            if isinstance(message, Outputs):
+                for call, output in message.items:
                     if call == call_id:
-                        tokens.extend(delta.token_ids)
-                        finished = finished or delta.finish_reason is not None
+                        tokens.extend(output.token_ids)
+                        finished = finished or output.finish_reason is not None
             if finished and task_id is not None:
                 return task_id, tokens
         raise AssertionError(f"request {call_id} did not finish in {timeout} s")
@@ -118,34 +120,35 @@ def test_streams_keep_flowing_while_a_kv_reply_waits_to_be_read(engine: Inferenc
         child.close()
 
 
-def test_streams_keep_flowing_while_a_submit_is_tokenized(engine: InferenceEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    tokenizing = threading.Event()
+def test_streams_keep_flowing_while_a_submit_is_checked(engine: InferenceEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    checking = threading.Event()
     release = threading.Event()
-    encode_chat = engine.tokenizer.encode_chat
+    make_task = engine.intake.task
 
-    def slow_encode_chat(messages, add_generation_prompt=True, tools=None, template_kwargs=None):
-        tokenizing.set()
-        assert release.wait(30)
-        return encode_chat(messages, add_generation_prompt, tools, template_kwargs)
+    def slow_task(encoded, *args):  # a chat's, as a grammar's compile would be
+        if encoded.request.messages is not None:
+            checking.set()
+            assert release.wait(30)
+        return make_task(encoded, *args)
 
-    monkeypatch.setattr(engine.tokenizer, "encode_chat", slow_encode_chat)
+    monkeypatch.setattr(engine.intake, "task", slow_task)
     child = ChildOverSockets(engine)
     try:
         send(child.streams, Submit(1, _greedy([5, 6, 7], 40)))
         assert isinstance(child.next_stream_message(30), Accepted)
         chat = GenerateRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0)
-        send(child.streams, Submit(2, chat))
-        assert tokenizing.wait(30)
-        # The first request finishes while the second is still being tokenized (the engine's stats
+        send(child.streams, Submit(2, engine.encode(chat)))
+        assert checking.wait(30)
+        # The first request finishes while the second is still being checked (the engine's stats
         # go out on the same channel every HEALTH_EVERY_S while they change).
         deltas = 0
         while True:
             message = child.next_stream_message(30)
             if isinstance(message, Health):
                 continue
-            assert isinstance(message, Deltas), message
+            assert isinstance(message, Outputs), message
             deltas += 1
-            if any(delta.finish_reason for _, delta in message.items):
+            if any(output.finish_reason for _, output in message.items):
                 break
         assert deltas > 1 and not release.is_set()
         release.set()
@@ -194,19 +197,19 @@ def test_one_failed_step_among_good_ones_keeps_the_engine_healthy(
 
     monkeypatch.setattr(engine.runner, "forward", sometimes_failing)
     for _ in range(3):
-        engine.submit(_greedy([5, 6, 7], 1)).wait(30)
+        engine.add_request(_greedy([5, 6, 7], 1)).wait(30)
     assert engine.healthy
 
 
 def test_past_max_waiting_requests_a_submit_is_refused(tiny_llama_path: Path) -> None:
     engine = InferenceEngine(compile=False, model=str(tiny_llama_path), max_num_seqs=1, max_waiting_requests=2, **OPTIONS)
     try:
-        running = engine.submit(_greedy([5, 6, 7], 400))
+        running = engine.add_request(_greedy([5, 6, 7], 400))
         while engine.get_stats()["active_tasks"] == 0:
             time.sleep(0.01)
-        waiting = [engine.submit(_greedy([8, 9], 2)) for _ in range(2)]
+        waiting = [engine.add_request(_greedy([8, 9], 2)) for _ in range(2)]
         with pytest.raises(EngineOverloadedError, match="max_waiting_requests=2"):
-            engine.submit(_greedy([8, 9], 2))
+            engine.add_request(_greedy([8, 9], 2))
         engine.abort(running.task_id)
         assert running.wait(30).finish_reason == "cancelled"
         assert [r.wait(30).finish_reason for r in waiting] == ["length", "length"]

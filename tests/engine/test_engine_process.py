@@ -16,7 +16,7 @@ from serve_app.engine.engine import InferenceEngine
 from serve_app.engine.process import EngineProcess, EngineProcessError
 from serve_app.wire.calls import GetKVConfig, GetStats, LookupKV, RetrieveKV, StoreKV
 from serve_app.wire.refusals import InvalidRequestError
-from serve_app.wire.requests import GenerateRequest
+from serve_app.wire.requests import EncodedRequest, GenerateRequest
 
 OPTIONS = dict(kv_cache="paged", page_size=16, cache_tokens=4096, max_model_len=512)
 PROMPTS = ([5, 17, 300, 41], list(range(100, 140)), [7] * 19)
@@ -34,8 +34,14 @@ def process(config: EngineConfig) -> Iterator[EngineProcess]:
     engine.shutdown()
 
 
-def _greedy(prompt: list[int], max_tokens: int = 12, **extra) -> GenerateRequest:
-    return GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)
+def _greedy(prompt: list[int], max_tokens: int = 12, **extra) -> EncodedRequest:
+    return _ids(GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra))
+
+
+def _ids(request: GenerateRequest) -> EncodedRequest:
+    """A request whose prompt is token ids, as the engine runs it (nothing to tokenize)."""
+    assert isinstance(request.prompt, list)
+    return EncodedRequest(request, list(request.prompt))
 
 
 def _stats(engine: EngineProcess) -> dict[str, int]:
@@ -45,26 +51,26 @@ def _stats(engine: EngineProcess) -> dict[str, int]:
 def test_tokens_and_usage_equal_the_in_process_engine(process: EngineProcess, config: EngineConfig) -> None:
     local = InferenceEngine(config=config)
     try:
-        expected = [local.submit(_greedy(p)).wait(60) for p in PROMPTS]
+        expected = [local.add_request(_greedy(p)).wait(60) for p in PROMPTS]
     finally:
         local.shutdown()
-    streams = [process.submit(_greedy(p)) for p in PROMPTS]  # all in flight together
+    streams = [process.add_request(_greedy(p)) for p in PROMPTS]  # all in flight together
     for stream, reference in zip(streams, expected):
         whole = stream.wait(60)
-        assert list(whole.token_ids) == reference.token_ids and whole.text == reference.text
+        assert whole.token_ids == reference.token_ids and whole.text == reference.text
         assert whole.finish_reason == "length" and whole.usage == reference.usage
     assert process.max_model_len == 512
 
 
 def test_a_stream_is_the_whole_result_in_order(process: EngineProcess) -> None:
-    whole = process.submit(_greedy(PROMPTS[1], 20)).wait(60)
+    whole = process.add_request(_greedy(PROMPTS[1], 20)).wait(60)
 
     async def streamed() -> list:
-        stream = await process.submit_async(_greedy(PROMPTS[1], 20))
+        stream = await process.add_request_async(_greedy(PROMPTS[1], 20))
         return [delta async for delta in stream]
 
     deltas = asyncio.run(streamed())
-    assert tuple(t for d in deltas for t in d.token_ids) == whole.token_ids
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
     assert deltas[0].usage is not None and deltas[-1].finish_reason == "length"
     # The second run found the first one's prompt in the prefix cache, and says so.
     assert deltas[-1].usage.cached_tokens == 32
@@ -73,10 +79,10 @@ def test_a_stream_is_the_whole_result_in_order(process: EngineProcess) -> None:
 def test_refusals_arrive_as_the_engine_raised_them(process: EngineProcess) -> None:
     queued = process.answer(GetStats())["total_tasks"]
     with pytest.raises(InvalidRequestError) as vocab:
-        process.submit(GenerateRequest(prompt=[10**7], max_tokens=2))
+        process.add_request(_ids(GenerateRequest(prompt=[10**7], max_tokens=2)))
     assert vocab.value.param == "prompt" and "outside the vocabulary" in vocab.value.message
     with pytest.raises(InvalidRequestError) as room:
-        process.submit(GenerateRequest(prompt=[5, 6], max_tokens=5000))
+        process.add_request(_ids(GenerateRequest(prompt=[5, 6], max_tokens=5000)))
     assert room.value.param == "max_tokens"
     assert process.answer(GetStats())["total_tasks"] == queued  # a refused request is never queued
 
@@ -85,7 +91,7 @@ def test_abandoning_a_stream_cancels_it_and_frees_its_pages(process: EngineProce
     before = wait_idle(lambda: _stats(process))
 
     async def read_two() -> int:
-        stream = await process.submit_async(_greedy(PROMPTS[2], 400))
+        stream = await process.add_request_async(_greedy(PROMPTS[2], 400))
         taken = [await anext(stream), await anext(stream)]
         await stream.aclose()
         return len(taken)
@@ -99,7 +105,7 @@ def test_abandoning_a_stream_cancels_it_and_frees_its_pages(process: EngineProce
 def test_the_engine_process_pushes_its_stats(process: EngineProcess) -> None:
     """`latest_stats` follows the engine without a round trip: a finished request shows up in it."""
     before = wait_idle(lambda: _stats(process))
-    process.submit(_greedy(PROMPTS[0], 5)).wait(60)
+    process.add_request(_greedy(PROMPTS[0], 5)).wait(60)
     expected = {"total_tasks": before["total_tasks"] + 1, "total_tokens": before["total_tokens"] + 5, "active_tasks": 0}
 
     def shown(stats: dict[str, int]) -> dict[str, int]:
@@ -114,7 +120,7 @@ def test_the_engine_process_pushes_its_stats(process: EngineProcess) -> None:
 
 def test_cached_kv_crosses_the_process(process: EngineProcess, config: EngineConfig) -> None:
     prompt = list(range(200, 248))
-    process.submit(_greedy(prompt, 1)).wait(60)
+    process.add_request(_greedy(prompt, 1)).wait(60)
     assert process.answer(GetKVConfig()).page_size == 16
     assert process.answer(LookupKV(prompt)).cached_tokens == 48
     kv = process.answer(RetrieveKV(prompt))
@@ -130,7 +136,7 @@ def test_cached_kv_crosses_the_process(process: EngineProcess, config: EngineCon
 def test_a_killed_engine_process_fails_its_requests(config: EngineConfig) -> None:
     engine = EngineProcess(config)
     try:
-        stream = engine.submit(_greedy(PROMPTS[0], 400))
+        stream = engine.add_request(_greedy(PROMPTS[0], 400))
         engine._process.kill()
         whole = stream.wait(30)
         assert whole.finish_reason == "error" and "exited" in (whole.error or "")
@@ -139,7 +145,7 @@ def test_a_killed_engine_process_fails_its_requests(config: EngineConfig) -> Non
             time.sleep(0.05)
         assert not engine.alive
         with pytest.raises(EngineProcessError):
-            engine.submit(_greedy(PROMPTS[0]))
+            engine.add_request(_greedy(PROMPTS[0]))
         with pytest.raises(EngineProcessError):
             _ = engine.latest_stats
     finally:
@@ -148,7 +154,7 @@ def test_a_killed_engine_process_fails_its_requests(config: EngineConfig) -> Non
 
 def test_shutdown_cancels_unfinished_requests(config: EngineConfig) -> None:
     engine = EngineProcess(config)
-    stream = engine.submit(_greedy(PROMPTS[1], 400))
+    stream = engine.add_request(_greedy(PROMPTS[1], 400))
     engine.shutdown()
     whole = stream.wait(10)
     assert whole.finish_reason == "cancelled" and len(whole.token_ids) < 400
@@ -159,9 +165,9 @@ def test_a_submit_cancelled_before_the_engine_accepts_it_cancels_that_request_on
     before = wait_idle(lambda: _stats(process))
 
     async def scenario() -> list:
-        kept = await process.submit_async(_greedy(PROMPTS[1], 60))
+        kept = await process.add_request_async(_greedy(PROMPTS[1], 60))
         for _ in range(5):
-            waiting = asyncio.create_task(process.submit_async(_greedy(PROMPTS[2], 400)))
+            waiting = asyncio.create_task(process.add_request_async(_greedy(PROMPTS[2], 400)))
             await asyncio.sleep(0)  # the submit is on its way to the engine, not yet accepted
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -174,4 +180,4 @@ def test_a_submit_cancelled_before_the_engine_accepts_it_cancels_that_request_on
     after = wait_idle(lambda: _stats(process))
     assert after["total_tasks"] - before["total_tasks"] == 6  # the engine took all six...
     assert after["total_tokens"] - before["total_tokens"] < 60 + 5 * 400  # ...and cut the five short
-    assert process.submit(_greedy(PROMPTS[0], 3)).wait(30).finish_reason == "length"
+    assert process.add_request(_greedy(PROMPTS[0], 3)).wait(30).finish_reason == "length"

@@ -20,7 +20,7 @@ from serve_app.engine.process import EngineProcess
 from serve_app.wire.calls import GetStats
 from serve_app.wire.model_card import GrammarConfig
 from serve_app.wire.refusals import InvalidRequestError
-from serve_app.wire.requests import GenerateRequest, StructuredOutput
+from serve_app.wire.requests import EncodedRequest, GenerateRequest, StructuredOutput
 
 
 def _enum(count: int, seed: int) -> dict:
@@ -110,12 +110,12 @@ def test_requests_without_a_grammar_pass_compiles_and_a_gone_request_queues_noth
 
     async def scenario() -> tuple[bool, list[bool]]:
         slow = [
-            asyncio.ensure_future(process.submit_async(GenerateRequest(
-                prompt=[5, 6, 7], max_tokens=2, structured_output=StructuredOutput(json=_enum(900, 10 + i)))))
+            asyncio.ensure_future(process.add_request_async(EncodedRequest(GenerateRequest(
+                prompt=[5, 6, 7], max_tokens=2, structured_output=StructuredOutput(json=_enum(900, 10 + i))), [5, 6, 7])))
             for i in range(3)
         ]
         await asyncio.sleep(0.05)
-        plain = await process.submit_async(GenerateRequest(prompt=[5, 6, 7], max_tokens=2, temperature=0))
+        plain = await process.add_request_async(EncodedRequest(GenerateRequest(prompt=[5, 6, 7], max_tokens=2, temperature=0), [5, 6, 7]))
         async for _ in plain:
             pass
         still_compiling = [not s.done() for s in slow]
@@ -129,4 +129,4 @@ def test_requests_without_a_grammar_pass_compiles_and_a_gone_request_queues_noth
     time.sleep(3)  # the compile that had started ends; the withdrawn requests are refused, not queued
     after = wait_idle(lambda: process.answer(GetStats()))
     assert after["total_tasks"] - before["total_tasks"] == 1
-    assert process.submit(GenerateRequest(prompt=[5, 6], max_tokens=2)).wait(60).finish_reason == "length"
+    assert process.add_request(EncodedRequest(GenerateRequest(prompt=[5, 6], max_tokens=2), [5, 6])).wait(60).finish_reason == "length"

@@ -52,8 +52,8 @@ def test_prompt_set_spans_short_and_long(prompts: list[list[int]]) -> None:
 
 def test_batch_submitted_together(oracle_engine: InferenceEngine, reference, prompts) -> None:
     results = [oracle_engine.submit(_greedy(ids)) for ids in prompts]
-    for ids, result in zip(prompts, results):
-        assert result.wait(120).token_ids == reference.greedy(ids, NEW_TOKENS)
+    for ids, result in zip(prompts, [r.wait(120) for r in results]):
+        assert result.token_ids == reference.greedy(ids, NEW_TOKENS)
         assert result.finish_reason == "length"
     wait_idle(oracle_engine.get_stats)
 
@@ -62,9 +62,10 @@ def test_batch_staggered(oracle_engine: InferenceEngine, reference, prompts) -> 
     """Each request joins while the earlier ones are mid-decode."""
     results = []
     for ids in prompts:
-        results.append(oracle_engine.submit(_greedy(ids)))
+        tokens: list[int] = []
+        results.append(oracle_engine.submit(_greedy(ids), lambda delta, tokens=tokens: tokens.extend(delta.token_ids)))
         deadline = time.monotonic() + 60
-        while len(results[-1].token_ids) < 3 and not results[-1].finished and time.monotonic() < deadline:
+        while len(tokens) < 3 and not results[-1].finished and time.monotonic() < deadline:
             time.sleep(0.005)
     for ids, result in zip(prompts, results):
         assert result.wait(120).token_ids == reference.greedy(ids, NEW_TOKENS)

@@ -16,13 +16,12 @@ import pytest
 from serve_app.answers.harmony import HarmonyReader
 from serve_app.answers.reader import CallPart
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.result import GenerateResult
-from serve_app.engine.stopping import StopStringMatcher
+from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.task import Task, TaskAdmission, TaskSampling
 from serve_app.engine.task_output import TaskOutput
 from serve_app.http.protocols.openai import ChatCompletionsBuilder
-from serve_app.model.detokenizer import IncrementalDetokenizer
-from serve_app.wire.requests import GenerateRequest, SamplingParams, StructuredOutput
+from serve_app.wire.outputs import CoreOutput, RequestOutput, StreamDelta, merge_deltas
+from serve_app.wire.requests import EncodedRequest, GenerateRequest, SamplingParams, StructuredOutput
 from tests.inprocess import MODEL, engine_server, openai_client
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -37,22 +36,22 @@ def harmony(tiny_harmony_path: Path) -> Iterator[InferenceEngine]:
     engine.shutdown()
 
 
-def written(engine: InferenceEngine, answer: str, keep_headers: bool) -> GenerateResult:
-    """`answer` as if the model wrote it, token by token, through a request's task."""
+def written(engine: InferenceEngine, answer: str, keep_headers: bool) -> StreamDelta:
+    """`answer` as if the model wrote it, token by token, through a request's task and its output processor."""
     prompt = engine.tokenizer.hf.encode(engine.tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
-    result = GenerateResult(task_id=0, prompt_tokens=len(prompt))
-    output = TaskOutput(
-        lambda _, delta: result.publish(delta), IncrementalDetokenizer(engine.tokenizer, prompt, not keep_headers),
-        StopStringMatcher([]), thinking=engine.reasoning_markers.span(prompt, None, keep_headers),  # type: ignore[union-attr]
-    )
+    outputs: list[CoreOutput] = []
+    thinking = engine.reasoning_markers.span(prompt, None, keep_headers)  # type: ignore[union-attr]
+    output = TaskOutput(lambda _, published: outputs.append(published), thinking=thinking)
     sampling = TaskSampling(SamplingParams(temperature=0), engine.tokenizer.eos_token_ids)
     task = Task(0, len(prompt), list(prompt), 200, sampling, output, TaskAdmission(""))
     for token in engine.tokenizer.hf.encode(answer, add_special_tokens=False):
-        delta = task.accept(token, 4096)
-        task.publish(delta)
-        if delta.finish_reason is not None:
+        accepted = task.accept(token, 4096)
+        task.publish(accepted)
+        if accepted.finish_reason is not None:
             break
-    return result
+    request = GenerateRequest(messages=MESSAGES, skip_special_tokens=not keep_headers)
+    processor = OutputProcessor(engine.tokenizer, EncodedRequest(request, prompt))
+    return merge_deltas([delta for o in outputs if (delta := processor.process(o)) is not None])
 
 
 def test_the_template_makes_it_a_harmony_model(harmony: InferenceEngine) -> None:
@@ -78,7 +77,7 @@ def test_a_tool_mode_answer_keeps_its_headers_and_reads_back_as_a_call(harmony: 
     assert [*reader.feed(result.text), *reader.finish(True)] == [CallPart("get_weather", '{"city": "Paris"}')]
 
 
-def run(engine: InferenceEngine, **fields) -> GenerateResult:
+def run(engine: InferenceEngine, **fields) -> RequestOutput:
     return engine.submit(GenerateRequest(messages=MESSAGES, temperature=0, **fields)).wait(timeout=120)
 
 

@@ -93,8 +93,8 @@ def test_least_recently_used_adapters_make_room_and_held_ones_never_do(model_pat
         held = [eng.submit(GenerateRequest(prompt="Count:", lora=n, max_tokens=200, ignore_eos=True)) for n in ("a", "c")]
         with pytest.raises(EngineOverloadedError):
             eng.submit(GenerateRequest(prompt="Hi", lora="b", max_tokens=1))  # both slots are held
-        for result in held:
-            eng.abort(result.task_id)
+        for stream in held:
+            stream.close()
         wait_idle(eng.get_stats)
         assert eng.submit(GenerateRequest(prompt="Hi", lora="b", max_tokens=1)).wait(60).finish_reason == "length"
     finally:
@@ -121,7 +121,8 @@ def test_a_bad_adapter_is_refused_naming_it_and_a_running_one_finishes(
         with pytest.raises(InvalidRequestError) as refused:
             lora_engine.submit(GenerateRequest(prompt="Hi", lora=name, max_tokens=4))
         assert refused.value.param == "lora" and name in refused.value.message and reason in refused.value.message
-    assert running.wait(120).finish_reason == "length" and len(running.token_ids) == 24
+    finished = running.wait(120)
+    assert finished.finish_reason == "length" and len(finished.token_ids) == 24
 
 
 def test_an_engine_without_adapters_refuses_one(engine: InferenceEngine) -> None:

@@ -4,31 +4,20 @@ the model step's emitter does, so the scheduler sees what it sees in an engine."
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 
 from serve_app.config import SchedulerConfig
 from serve_app.engine.emitting import Emitted
-from serve_app.engine.result import GenerateResult
 from serve_app.engine.scheduler import Batch, Scheduler
-from serve_app.engine.stopping import StopStringMatcher
 from serve_app.engine.task import Task, TaskAdmission, TaskSampling, TaskState
 from serve_app.engine.task_output import TaskOutput
 from serve_app.kv.page_cache import PageCache
 from serve_app.kv.storage import KVShape
-from serve_app.model.detokenizer import IncrementalDetokenizer
-from serve_app.model.tokenizer import Tokenizer
+from serve_app.wire.outputs import CoreOutput, merge_outputs
 from serve_app.wire.requests import SamplingParams
 
 PAGE = 4
 MAX_MODEL_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path: Path) -> Tokenizer:
-    return Tokenizer(model_path)
 
 
 def _scheduler(pages: int, **limits: int) -> Scheduler:
@@ -37,22 +26,23 @@ def _scheduler(pages: int, **limits: int) -> Scheduler:
     return Scheduler(cache, config, MAX_MODEL_LEN)
 
 
-_RESULTS: dict[int, GenerateResult] = {}  # id(task) -> what its deltas added up to
+_OUTPUTS: dict[int, list[CoreOutput]] = {}  # id(task) -> the outputs it published
 
 
-def _task(tokenizer: Tokenizer, task_id: int, prompt: list[int], max_tokens: int = 8, priority: int = 0) -> Task:
-    result = GenerateResult(task_id=task_id, prompt_tokens=len(prompt))
-    output = TaskOutput(lambda _, delta: result.publish(delta), IncrementalDetokenizer(tokenizer, prompt), StopStringMatcher([]))
+def _task(task_id: int, prompt: list[int], max_tokens: int = 8, priority: int = 0) -> Task:
+    outputs: list[CoreOutput] = []
+    output = TaskOutput(lambda _, published: outputs.append(published))
     task = Task(
         task_id, len(prompt), list(prompt), max_tokens, TaskSampling(SamplingParams(temperature=0), frozenset()), output,
         TaskAdmission("", priority),
     )
-    _RESULTS[id(task)] = result
+    _OUTPUTS[id(task)] = outputs
     return task
 
 
-def _result(task: Task) -> GenerateResult:
-    return _RESULTS[id(task)]
+def _result(task: Task) -> CoreOutput:
+    """What its outputs add up to so far."""
+    return merge_outputs(_OUTPUTS[id(task)] or [CoreOutput((), ())])
 
 
 def _step(scheduler: Scheduler, token: int = 42) -> Batch | None:
@@ -71,9 +61,9 @@ def _spans(batch: Batch) -> list[tuple[int, int, int]]:
     return [(entry.task_id, entry.start, entry.num_new) for entry in batch.entries]
 
 
-def test_prefills_are_chunked_to_the_token_budget_and_decodes_come_first(tokenizer: Tokenizer) -> None:
+def test_prefills_are_chunked_to_the_token_budget_and_decodes_come_first() -> None:
     scheduler = _scheduler(pages=32)
-    first, second = _task(tokenizer, 1, list(range(100, 110))), _task(tokenizer, 2, list(range(200, 220)))
+    first, second = _task(1, list(range(100, 110))), _task(2, list(range(200, 220)))
     scheduler.add([first, second])
     assert _spans(_step(scheduler)) == [(1, 0, 10), (2, 0, 6)]  # 16 tokens: all of one prompt, a chunk of the other
     assert first.num_output == 1 and second.num_output == 0 and second.is_prefilling
@@ -83,9 +73,9 @@ def test_prefills_are_chunked_to_the_token_budget_and_decodes_come_first(tokeniz
     assert scheduler.stats.prefill_tokens == 30 and scheduler.stats.steps == 3
 
 
-def test_admission_stops_at_max_num_seqs_and_a_finished_task_lets_the_next_in(tokenizer: Tokenizer) -> None:
+def test_admission_stops_at_max_num_seqs_and_a_finished_task_lets_the_next_in() -> None:
     scheduler = _scheduler(pages=32, max_num_seqs=2)
-    tasks = [_task(tokenizer, i, [i] * 4, max_tokens=2) for i in (1, 2, 3)]
+    tasks = [_task(i, [i] * 4, max_tokens=2) for i in (1, 2, 3)]
     scheduler.add(tasks)
     _step(scheduler)
     assert [t.task_id for t in scheduler.running] == [1, 2] and [t.task_id for t in scheduler.waiting] == [3]
@@ -96,9 +86,9 @@ def test_admission_stops_at_max_num_seqs_and_a_finished_task_lets_the_next_in(to
     assert scheduler.stats.prompt_tokens == 12
 
 
-def test_a_decode_out_of_pages_preempts_the_newest_task_which_recomputes_later(tokenizer: Tokenizer) -> None:
+def test_a_decode_out_of_pages_preempts_the_newest_task_which_recomputes_later() -> None:
     scheduler = _scheduler(pages=8)  # one page kept free for admissions
-    older, newer = _task(tokenizer, 1, [7] * 12, max_tokens=20), _task(tokenizer, 2, [8] * 12, max_tokens=20)
+    older, newer = _task(1, [7] * 12, max_tokens=20), _task(2, [8] * 12, max_tokens=20)
     scheduler.add([older, newer])
     _step(scheduler)  # both prefilled: 3 full pages each, a token each
     assert scheduler.cache.usage().free == 2
@@ -108,17 +98,17 @@ def test_a_decode_out_of_pages_preempts_the_newest_task_which_recomputes_later(t
     assert list(scheduler.waiting) == [newer] and newer.num_computed == 0
     assert older.num_output > newer.num_output  # the newer one stopped growing when it was preempted
     for _ in range(40):
-        if _result(older).finished and _result(newer).finished:
+        if _result(older).finish_reason and _result(newer).finish_reason:
             break
         _step(scheduler)
     assert _result(older).finish_reason == _result(newer).finish_reason == "length"
-    assert _result(older).token_ids == _result(newer).token_ids == [42] * 20  # the preempted one lost no token
+    assert _result(older).token_ids == _result(newer).token_ids == (42,) * 20  # the preempted one lost no token
     assert scheduler.cache.usage().free == 8
 
 
-def test_the_priority_policy_admits_lower_priorities_first_and_preempts_the_highest(tokenizer: Tokenizer) -> None:
+def test_the_priority_policy_admits_lower_priorities_first_and_preempts_the_highest() -> None:
     scheduler = _scheduler(pages=8, max_num_seqs=1, scheduling_policy="priority")
-    late, urgent, also_urgent = (_task(tokenizer, i, [i] * 4, max_tokens=2, priority=p) for i, p in ((1, 5), (2, -1), (3, -1)))
+    late, urgent, also_urgent = (_task(i, [i] * 4, max_tokens=2, priority=p) for i, p in ((1, 5), (2, -1), (3, -1)))
     scheduler.add([late, urgent, also_urgent])
     assert list(scheduler.waiting) == [urgent, also_urgent, late]  # by priority, then arrival
     order = []
@@ -129,51 +119,51 @@ def test_the_priority_policy_admits_lower_priorities_first_and_preempts_the_high
     while scheduler.running or len(scheduler.waiting):
         _step(scheduler)
     preempting = _scheduler(pages=8, scheduling_policy="priority")
-    low, high = _task(tokenizer, 1, [7] * 12, max_tokens=20, priority=9), _task(tokenizer, 2, [8] * 12, max_tokens=20)
+    low, high = _task(1, [7] * 12, max_tokens=20, priority=9), _task(2, [8] * 12, max_tokens=20)
     preempting.add([low, high])
     while preempting.stats.preemptions == 0:
         _step(preempting)
     assert low.state is TaskState.WAITING and high.state is TaskState.RUNNING  # the older task, ranked last, gives way
 
 
-def test_fcfs_puts_a_preempted_task_back_first(tokenizer: Tokenizer) -> None:
+def test_fcfs_puts_a_preempted_task_back_first() -> None:
     scheduler = _scheduler(pages=8)
-    tasks = [_task(tokenizer, i, [i] * 4, priority=9 - i) for i in (1, 2, 3)]
+    tasks = [_task(i, [i] * 4, priority=9 - i) for i in (1, 2, 3)]
     scheduler.add(tasks[1:])
     scheduler.waiting.put_back(tasks[0])
     assert list(scheduler.waiting) == tasks  # priorities mean nothing first come, first served
 
 
-def test_a_prompt_longer_than_the_cache_can_hold_ends_with_length_at_admission(tokenizer: Tokenizer) -> None:
+def test_a_prompt_longer_than_the_cache_can_hold_ends_with_length_at_admission() -> None:
     scheduler = _scheduler(pages=8)
-    too_long = _task(tokenizer, 1, [5] * (scheduler.cache.max_task_tokens + 1))
+    too_long = _task(1, [5] * (scheduler.cache.max_task_tokens + 1))
     scheduler.add([too_long])
     assert scheduler.schedule() is None
-    assert _result(too_long).finish_reason == "length" and _result(too_long).token_ids == []
+    assert _result(too_long).finish_reason == "length" and _result(too_long).token_ids == ()
 
 
-def test_a_second_prompt_with_the_same_pages_is_admitted_with_them_cached(tokenizer: Tokenizer) -> None:
+def test_a_second_prompt_with_the_same_pages_is_admitted_with_them_cached() -> None:
     scheduler = _scheduler(pages=32)
     prompt = list(range(300, 313))  # three full pages and one token
-    first = _task(tokenizer, 1, prompt, max_tokens=1)
+    first = _task(1, prompt, max_tokens=1)
     scheduler.add([first])
     _step(scheduler)
-    assert _result(first).finish_reason == "length" and _result(first).cached_tokens == 0
-    second = _task(tokenizer, 2, prompt, max_tokens=1)
+    assert _result(first).finish_reason == "length" and _result(first).usage.cached_tokens == 0
+    second = _task(2, prompt, max_tokens=1)
     scheduler.add([second])
     assert _spans(scheduler.schedule()) == [(2, 12, 1)]  # only the token after the cached pages runs
     assert second.admission.cached_tokens == 12
     assert scheduler.stats.prefix_cache_queried_tokens == 26 and scheduler.stats.prefix_cache_hit_tokens == 12
 
 
-def test_cancelling_and_cancel_all_give_every_page_back(tokenizer: Tokenizer) -> None:
+def test_cancelling_and_cancel_all_give_every_page_back() -> None:
     scheduler = _scheduler(pages=32, max_num_seqs=2)
-    tasks = [_task(tokenizer, i, [i] * 9) for i in (1, 2, 3)]
+    tasks = [_task(i, [i] * 9) for i in (1, 2, 3)]
     scheduler.add(tasks)
     _step(scheduler)
     scheduler.cancel({1})
     assert _result(tasks[0]).finish_reason == "cancelled" and [t.task_id for t in scheduler.running] == [2]
-    late = _task(tokenizer, 4, [4] * 5)
+    late = _task(4, [4] * 5)
     scheduler.cancel_all(also=[late])
     assert [_result(t).finish_reason for t in [*tasks, late]] == ["cancelled"] * 4
     assert not scheduler.running and not scheduler.waiting

@@ -103,8 +103,8 @@ def test_greedy_tokens_equal_transformers_alone_and_in_a_mixed_batch(
     assert alone == reference.greedy(repeating[0], NEW_TOKENS)
     mixed = repeating + plain  # together: speculating rows beside rows that find nothing to propose
     results = [speculating.submit(_greedy(ids)) for ids in mixed]
-    for ids, result in zip(mixed, results):
-        assert result.wait(180).token_ids == reference.greedy(ids, NEW_TOKENS)
+    for ids, result in zip(mixed, [r.wait(180) for r in results]):
+        assert result.token_ids == reference.greedy(ids, NEW_TOKENS)
         assert result.finish_reason == "length" and len(result.token_ids) == NEW_TOKENS
     after = _spec(speculating)
     accepted = after["accepted_tokens"] - before["accepted_tokens"]
@@ -203,8 +203,8 @@ def test_batches_over_the_limit_back_off_and_preemption_keeps_greedy_tokens(
     try:
         prompts = [eng.tokenizer.encode_chat(chat) for chat in grounded_chats(6, seed=7)]
         results = [eng.submit(_greedy(ids, 48)) for ids in prompts]
-        for ids, result in zip(prompts, results):
-            assert result.wait(300).token_ids == reference.greedy(ids, 48)
+        for ids, result in zip(prompts, [r.wait(300) for r in results]):
+            assert result.token_ids == reference.greedy(ids, 48)
             assert result.finish_reason == "length"
         stats = eng.get_stats()
         assert stats["preemptions"] > 0 and stats["spec_decode_backed_off_rows"] > 0

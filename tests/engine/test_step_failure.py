@@ -33,14 +33,12 @@ def test_the_failing_request_ends_with_an_error_and_the_others_stay_exact(
     poisoned = GenerateRequest(prompt=good[0][:6] + [POISON], max_tokens=16, temperature=0, ignore_eos=True)
     with caplog.at_level(logging.ERROR, logger="serve_app.engine.loop"):
         # Submitted between two steps, so that all four are admitted into the same batch.
-        bad, *results = engine.loop.call(lambda: [engine.submit(r) for r in [poisoned, *requests]])
-        bad.wait(60)
-        for result in results:
-            result.wait(120)
+        streams = engine.loop.call(lambda: [engine.submit(r) for r in [poisoned, *requests]])
+        bad, *results = [stream.wait(120) for stream in streams]
     assert "running its 4 requests one by one" in caplog.text
-    assert bad.wait(60).finish_reason == "error" and bad.error == STEP_FAILED
+    assert bad.finish_reason == "error" and bad.error == STEP_FAILED
     assert "injected tensor error" in caplog.text  # the log says what failed; the client is not told
-    assert [r.wait(120).token_ids for r in results] == expected
+    assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "length" for r in results)
     # And the engine keeps serving.
     assert engine.submit(GenerateRequest(prompt=good[1], max_tokens=4, temperature=0)).wait(60).finish_reason
@@ -70,9 +68,10 @@ def test_a_request_whose_sampling_fails_fails_alone_without_running_the_batch_ag
     requests = [GenerateRequest(prompt=ids, max_tokens=8, temperature=0, ignore_eos=True) for ids in good]
     poisoned = GenerateRequest(prompt=good[0], max_tokens=8, temperature=0.7, seed=666, ignore_eos=True)
     with caplog.at_level(logging.WARNING):
-        bad, *results = engine.loop.call(lambda: [engine.submit(r) for r in [poisoned, *requests]])
-        assert [r.wait(120).token_ids for r in results] == expected
-    assert bad.wait(60).finish_reason == "error" and bad.error == SAMPLING_FAILED
+        streams = engine.loop.call(lambda: [engine.submit(r) for r in [poisoned, *requests]])
+        bad, *results = [stream.wait(120) for stream in streams]
+        assert [r.token_ids for r in results] == expected
+    assert bad.finish_reason == "error" and bad.error == SAMPLING_FAILED
     assert "injected sampling error" in caplog.text
     assert "sampling each alone" in caplog.text and "one by one" not in caplog.text
     # Every forward ran once: the prefill of all four, then seven decodes of the three left.

@@ -21,7 +21,7 @@ import openai
 import pydantic
 import pytest
 
-from serve_app import GenerateRequest, InferenceEngine
+from serve_app import GenerateRequest, InferenceEngine, StreamDelta
 from serve_app.bench.idle import wait_idle
 from serve_app.wire.refusals import InvalidRequestError
 from serve_app.wire.requests import StructuredOutput
@@ -81,8 +81,8 @@ def test_outputs_validate_against_their_schemas(engine: InferenceEngine, samplin
         for schema in SCHEMAS
         for prompt in PROMPTS
     ]
-    for schema, result in results:
-        result.wait(300)
+    for schema, stream in results:
+        result = stream.wait(300)
         assert result.finish_reason == "stop", (schema, result.text)
         jsonschema.validate(json.loads(result.text), schema)
 
@@ -119,8 +119,8 @@ def test_outputs_validate_against_generated_schemas(engine: InferenceEngine, sam
                                       structured_output=StructuredOutput(json=schema), **sampling))
         for i, schema in enumerate(schemas)
     ]
-    for schema, result in zip(schemas, results):
-        result.wait(300)
+    for schema, stream in zip(schemas, results):
+        result = stream.wait(300)
         assert result.finish_reason == "stop", (schema, result.text)
         jsonschema.validate(json.loads(result.text), schema)
 
@@ -142,9 +142,13 @@ def test_constrained_requests_keep_seeds_stops_limits_logprobs_prefix_hits_and_c
     ).wait(120)
     assert stopped.finish_reason == "stop" and stopped.stop_string == '"location"'
     assert whole.text.startswith(stopped.text) and '"location"' in whole.text
-    running = engine.submit(_schema_request({"type": "array", "items": {"type": "integer"}}, "Count to a million.", temperature=0))
-    while not running.token_ids:
+    seen: list[StreamDelta] = []
+    running = engine.submit(
+        _schema_request({"type": "array", "items": {"type": "integer"}}, "Count to a million.", temperature=0), seen.append
+    )
+    while not seen:
         time.sleep(0.02)
+    assert running.task_id is not None
     engine.abort(running.task_id)
     assert running.wait(60).finish_reason == "cancelled"
 
@@ -192,8 +196,8 @@ def test_constrained_requests_survive_preemption(model_path: Path) -> None:
     eng = InferenceEngine(compile=False, model=str(model_path), page_size=16, cache_tokens=16 * 14, max_model_len=512)
     try:
         results = [eng.submit(_schema_request(SCHEMAS[3], f"Where is city number {i}?", temperature=0)) for i in range(6)]
-        for result in results:
-            result.wait(300)
+        for stream in results:
+            result = stream.wait(300)
             assert result.finish_reason == "stop"
             jsonschema.validate(json.loads(result.text), SCHEMAS[3])
         stats = wait_idle(eng.get_stats)

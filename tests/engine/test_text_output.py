@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from serve_app import GenerateRequest, InferenceEngine
-from serve_app.engine.stopping import StopStringMatcher
+from serve_app.engine.stop_strings import StopStringMatcher
 from serve_app.model.detokenizer import IncrementalDetokenizer
 from serve_app.model.tokenizer import Tokenizer
 from serve_app.wire.refusals import RequestRefused

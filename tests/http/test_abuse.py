@@ -124,9 +124,10 @@ def test_extreme_sampling_values_sample_and_leave_the_batch_exact(
     expected = reference.greedy(prompt, 8)
     edge = GenerateRequest(prompt=prompt, max_tokens=8, ignore_eos=True, seed=1, **sampling)
     greedy = GenerateRequest(prompt=prompt, max_tokens=8, ignore_eos=True, temperature=0)
-    odd, exact = engine.loop.call(lambda: [engine.submit(edge), engine.submit(greedy)])
-    assert odd.wait(60).finish_reason == "length" and len(odd.token_ids) == 8
-    assert exact.wait(60).token_ids == expected
+    streams = engine.loop.call(lambda: [engine.submit(edge), engine.submit(greedy)])
+    odd, exact = [stream.wait(60) for stream in streams]
+    assert odd.finish_reason == "length" and len(odd.token_ids) == 8
+    assert exact.token_ids == expected
     if "temperature" in sampling:
         assert odd.token_ids == expected  # the top token, step after step
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from serve_app.engine.engine import InferenceEngine
-from serve_app.engine.result import GenerateResult
+from serve_app.wire.outputs import RequestOutput
 from serve_app.wire.requests import GenerateRequest
 from tests.inprocess import MODEL, InProcessServer, anthropic_client, engine_server, openai_client
 
@@ -30,7 +30,7 @@ def thinking_server(thinker: InferenceEngine) -> Iterator[InProcessServer]:
         yield server
 
 
-def split(engine: InferenceEngine, budget: int, max_tokens: int) -> GenerateResult:
+def split(engine: InferenceEngine, budget: int, max_tokens: int) -> RequestOutput:
     """The engine's own split of the greedy answer under `budget`: what every API must return."""
     request = GenerateRequest(messages=CHAT, max_tokens=max_tokens, temperature=0, thinking_token_budget=budget)
     result = engine.submit(request).wait(timeout=300)
@@ -39,7 +39,7 @@ def split(engine: InferenceEngine, budget: int, max_tokens: int) -> GenerateResu
 
 
 @pytest.fixture(scope="module")
-def expected(thinker: InferenceEngine) -> GenerateResult:
+def expected(thinker: InferenceEngine) -> RequestOutput:
     return split(thinker, BUDGET, MAX_TOKENS)
 
 
@@ -95,7 +95,7 @@ def test_tools_hold_the_answer_after_the_thinking(oai_thinker: openai.OpenAI) ->
     assert call.function.name == "add" and isinstance(json.loads(call.function.arguments)["a"], int)
 
 
-def test_messages_return_thinking_blocks_streamed_or_not(claude_thinker: anthropic.Anthropic, expected: GenerateResult) -> None:
+def test_messages_return_thinking_blocks_streamed_or_not(claude_thinker: anthropic.Anthropic, expected: RequestOutput) -> None:
     fields = dict(
         model=MODEL, max_tokens=MAX_TOKENS, messages=CHAT, thinking={"type": "enabled", "budget_tokens": BUDGET},
         extra_body={"temperature": 0},
@@ -134,7 +134,7 @@ def test_a_budget_must_be_below_max_tokens(thinking_server: InProcessServer) -> 
     assert answer.status_code == 400 and "budget_tokens" in answer.json()["error"]["message"]
 
 
-def test_responses_return_a_reasoning_item_streamed_or_not(oai_thinker: openai.OpenAI, expected: GenerateResult) -> None:
+def test_responses_return_a_reasoning_item_streamed_or_not(oai_thinker: openai.OpenAI, expected: RequestOutput) -> None:
     fields = dict(model=MODEL, input=CHAT, max_output_tokens=MAX_TOKENS, temperature=0, reasoning={"effort": "low"})
     whole = oai_thinker.responses.create(**fields)
     assert [item.type for item in whole.output] == ["reasoning", "message"]
