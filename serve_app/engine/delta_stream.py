@@ -12,11 +12,17 @@ its last delta aborts the request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Iterator
 
 from serve_app.engine.output_processor import OutputProcessor
 from serve_app.wire.outputs import CoreOutput, RequestOutput, StreamDelta, merge_deltas
+
+logger = logging.getLogger(__name__)
+
+# What a client is told when its tokens' text could not be made (the exception is in the log).
+TEXT_FAILED = "making this request's text failed (the server's log says why)"
 
 # Sees each delta as it is put, on the putting thread (a scheduler's or a reader's): keep it tiny.
 DeltaListener = Callable[[StreamDelta], None]
@@ -55,10 +61,14 @@ class DeltaStream:
 
     def put(self, output: CoreOutput) -> None:
         """From the putting thread: one core output of the request, in order, made a delta (none after its end)."""
-        delta = self._processor.process(output)
+        try:
+            delta = self._processor.process(output)
+        except Exception:  # this request's text only: it fails alone, and no thread that puts it dies
+            logger.exception("making the text of task %s failed", self.task_id)
+            delta = self._processor.failed(output, TEXT_FAILED)
         if delta is None:
             return
-        if self._processor.ended_here:  # a stop string: the core has not ended it
+        if self._processor.ended_here:  # a stop string or a failure here: the core has not ended it
             with self._lock:
                 task_id = self.task_id
                 self._abort_on_acceptance = task_id is None

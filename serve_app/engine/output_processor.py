@@ -28,7 +28,7 @@ def skips_special_tokens(request: GenerateRequest) -> bool:
 
 class OutputProcessor:
     """Makes one request's deltas of its core outputs, in order, until the request ends (by the core or by a stop
-    string, `ended_here`); outputs after the end are dropped (None)."""
+    string or a failure, `ended_here`); outputs after the end are dropped (None)."""
 
     def __init__(self, tokenizer: Tokenizer, request: EncodedRequest) -> None:
         asked = request.request
@@ -81,6 +81,13 @@ class OutputProcessor:
         if stops.matched is not None:
             return self._delta(output, len(output.token_ids), "".join(text), "".join(reasoning), "stop", stops.matched)
         return self._delta(output, len(output.token_ids), "".join(text) + stops.flush(), "".join(reasoning), reason)
+
+    def failed(self, output: CoreOutput, error: str) -> StreamDelta:
+        """The last delta of a request whose text could not be made of `output`: it ends here (and is aborted in the
+        core, unless `output` ended it there)."""
+        self.ended, self.ended_here = True, output.finish_reason is None
+        usage = replace(self._usage, completion_tokens=self._tokens) if self._usage is not None else None
+        return StreamDelta("", (), "error", usage=usage, error=error)
 
     def _delta(
         self,

@@ -142,3 +142,28 @@ def test_a_stop_string_ends_the_request_aborts_it_in_the_core_and_drops_what_fol
         held.put(_output(token))
     held.put(_output(words[3], "length", Usage(3, 4, 0)))
     assert held.wait(1).text == " red green blue grey" and aborted == [5]
+
+
+def test_text_that_cannot_be_made_fails_its_request_alone_and_aborts_it(
+    tokenizer: Tokenizer, words: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    aborted: list[int] = []
+    broken, fine = _stream(tokenizer, aborted), _stream(tokenizer, aborted)
+    broken.accepted(1)
+    fine.accepted(2)
+    decode = tokenizer.decode
+
+    def failing_decode(ids, skip_special_tokens=True):
+        if words[1] in ids:
+            raise RuntimeError("injected decode error")
+        return decode(ids, skip_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "decode", failing_decode)
+    broken.put(_output(words[0], usage=Usage(3, 1, 0)))
+    broken.put(_output(words[1]))  # raises inside: the putting thread goes on
+    broken.put(_output(words[2], "length", Usage(3, 3, 0)))  # dropped: the request has ended
+    fine.put(_output(words[2], "length", Usage(3, 1, 0)))
+    failed = broken.wait(1)
+    assert (failed.finish_reason, failed.text, failed.token_ids) == ("error", " red", [words[0]])
+    assert failed.error is not None and "text failed" in failed.error and aborted == [1]
+    assert fine.wait(1).text == " blue"
