@@ -16,8 +16,8 @@ from deployments.app_args import LLMConfig
 from deployments.model_copy import model_here
 from deployments.placement import Placement
 from deployments.ray_metrics import RayMetrics
-from serve_app.engine.process import EngineProcess, EngineProcessError
 from serve_app.engine.core_client import answer_or_refusal, open_stream
+from serve_app.engine.process import EngineProcess, EngineProcessError
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import ENGINE_METRICS, engine_samples
 from serve_app.routing.page_reporter import PageReporter

@@ -11,8 +11,8 @@ import torch
 
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.harmony import HarmonyMarkers
-from serve_app.engine.reasoning import ReasoningMarkers, ThinkingReader, ThinkingTags
 from serve_app.engine.output_processor import skips_special_tokens
+from serve_app.engine.reasoning import ReasoningMarkers, ThinkingReader, ThinkingTags
 from serve_app.engine.task import AdapterHold, CachePin, Task, TaskAdmission, TaskSampling
 from serve_app.engine.task_output import OutputSink, TaskOutput
 from serve_app.kv.base import KVCache

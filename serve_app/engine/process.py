@@ -33,13 +33,12 @@ from typing import Any
 from serve_app.config import EngineConfig
 from serve_app.engine.channel import ChannelWriter, EngineProcessError, settle, wait_ready
 from serve_app.engine.delta_stream import DeltaListener, DeltaStream
-from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.messages import (
     Abort,
     Accepted,
     Call,
-    Outputs,
     Health,
+    Outputs,
     PagesChanged,
     Refused,
     Reply,
@@ -50,6 +49,7 @@ from serve_app.engine.messages import (
     Withdraw,
     receive,
 )
+from serve_app.engine.output_processor import OutputProcessor
 from serve_app.model.tokenizer import Tokenizer
 from serve_app.wire.calls import EngineCall
 from serve_app.wire.outputs import CoreOutput
@@ -93,7 +93,7 @@ class EngineProcess:
         self._lock = threading.Lock()  # guards the tables below and `_exit_reason`
         self._ids = itertools.count(1)
         self._pending: dict[int, Future] = {}  # call id -> the answer to a submit or a call
-        self._requests: dict[int, DeltaStream] = {}  # submit call id -> its request's deltas, until the last
+        self._requests: dict[int, DeltaStream] = {}  # submit call id -> its request's stream, until the core's last output
         self._exit_reason: str | None = None
         self._stream_writer = ChannelWriter(self._streams, "engine-process-stream-writer", self._fail_everything)
         self._call_writer = ChannelWriter(self._calls, "engine-process-call-writer", self._fail_everything)

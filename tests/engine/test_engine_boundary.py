@@ -20,8 +20,8 @@ from serve_app.engine.engine import InferenceEngine
 from serve_app.engine.messages import (
     Accepted,
     Call,
-    Outputs,
     Health,
+    Outputs,
     PagesChanged,
     Ready,
     Reply,
