@@ -196,3 +196,21 @@ def test_decode_kernel_bench_times_this_kernel_and_another_source_warm_and_cold(
         (name, caches) for name in ("this kernel", str(older)) for caches in ("warm", "cold")
     }
     assert all(r["ms_per_call"] > 0 for r in rows)
+
+
+def test_step_budget_splits_a_token_into_the_steps_parts_and_the_forwards_operators(
+    tmp_path: Path, tiny_llama_path: Path
+) -> None:
+    """On a tiny model: the round holds the forward and the emitter; the operators' time is about the forward's at
+    most, its matrix products among them."""
+    report = tmp_path / "budget.json"
+    subprocess.run(
+        [sys.executable, "-m", "serve_app.cli", "bench", "step-budget", "--model", str(tiny_llama_path), "--no-compile",
+         "--tokens", "16", "--requests", "1", "--json", str(report)],
+        check=True, timeout=300,
+    )
+    budget = json.loads(report.read_text())
+    assert len(budget["tpot_ms"]) == 1 and budget["tpot_ms"][0] > 0
+    assert 0 < budget["forward_ms"] + budget["emit_ms"] <= budget["round_ms"]
+    assert 0 < budget["operators_ms"] <= budget["forward_ms"] * 1.5  # the profiled rounds run a little slower
+    assert any(op["name"] in ("aten::mm", "aten::addmm") for op in budget["operators"])

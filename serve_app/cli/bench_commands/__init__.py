@@ -21,11 +21,12 @@ from serve_app.cli.bench_commands import (
     soak,
     spec,
     start,
+    step_budget,
     structured,
     tiers,
 )
 
-COMMANDS = [engine, compare, serve, prefix, tiers, spec, soak, abuse, start, process_cpu, decode_kernel, structured, lora, clients, quant, gpu_check, route]
+COMMANDS = [engine, compare, serve, prefix, tiers, spec, soak, abuse, start, process_cpu, step_budget, decode_kernel, structured, lora, clients, quant, gpu_check, route]
 
 
 def add_bench(commands: argparse._SubParsersAction) -> None:
