@@ -41,11 +41,7 @@ class AnswerGuard:
     def read(self, token: int, role: TokenRole, was_thinking: bool) -> Literal["stop", "length"] | None:
         """Read one accepted token (a marker's token adds no text; the thinking's text is not the answer's); why the
         answer ends with it, if it does."""
-        if role == "tag":
-            text = self.detokenizer.flush()
-            self.detokenizer.skip(token)
-        else:
-            text = self.detokenizer.push(token)
+        text = self.detokenizer.skip(token) if role == "tag" else self.detokenizer.push(token)
         if role == "thinking" or (role == "tag" and was_thinking):
             return None
         return self.after(text)

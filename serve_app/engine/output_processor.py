@@ -54,8 +54,7 @@ class OutputProcessor:
             if role == "end":
                 continue
             if role == "tag":  # a marker: what was held goes to the part it was written in
-                held, side = self._detokenizer.flush(), self._text_role
-                self._detokenizer.skip(token)
+                held, side = self._detokenizer.skip(token), self._text_role
             else:
                 held, side = self._detokenizer.push(token), role
                 self._text_role = role

@@ -35,10 +35,12 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text) :]
 
-    def skip(self, token_id: int) -> None:
-        """Add a token whose text is not wanted (call `flush` first: nothing held is kept)."""
+    def skip(self, token_id: int) -> str:
+        """Add a token whose text is not wanted (a marker); return what was held before it, whole."""
+        held = self.flush()
         self._ids.append(token_id)
         self._prefix_offset = self._read_offset = len(self._ids)
+        return held
 
     def flush(self) -> str:
         """Whatever is still held at the end of generation (an incomplete character decodes as U+FFFD)."""
