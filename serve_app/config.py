@@ -23,7 +23,7 @@ def default_cache_dir() -> Path:
 
 
 # A model's weights: `serve_app.model.quant.quantization` applies it.
-Quantization = Literal["none", "int8", "fp8"]
+Quantization = Literal["none", "int8", "int4", "fp8"]
 
 
 class _Strict(BaseModel):
@@ -68,7 +68,8 @@ class ModelConfig(_Strict):
     quantization: Quantization = Field(
         "none",
         description="int8: every linear layer with int8 weights, on the CPU with dynamic int8 activations (fbgemm), "
-        "elsewhere weights only (torchao); fp8: fp8 weights only (torchao, for CUDA)",
+        "elsewhere weights only (torchao); int4 (the CPU): 4-bit weights in groups of 32 with bfloat16 activations, "
+        "a GGUF's Q4_1 weights taken as stored; fp8: fp8 weights only (torchao, for CUDA)",
     )
     cache_dir: Path = Field(default_factory=default_cache_dir)
     dynamic_lora_loading_path: Path | None = Field(

@@ -1,4 +1,4 @@
-"""`serve-app bench quant`: quantized weights (`quantization: int8`, `fp8`) against the unquantized
+"""`serve-app bench quant`: quantized weights (`quantization: int8`, `int4`, `fp8`) against the unquantized
 model, in one run on the same prompts, on one device and dtype (the CPU and float32 by default).
 
 Agreement, teacher-forced: the unquantized engine decodes every prompt greedily (EOS ignored);
@@ -18,6 +18,7 @@ import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,7 @@ from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, format_table
 from serve_app.config import Quantization, default_cache_dir
 from serve_app.engine.engine import InferenceEngine
+from serve_app.model.loader import gguf_origin
 from serve_app.model.quant.quantization import apply_quantization
 
 
@@ -41,9 +43,10 @@ class Agreement:
 @torch.inference_mode()
 def teacher_forced_agreement(
     model_path: str, sequences: Sequence[tuple[list[int], list[int]]], quantization: Quantization = "int8",
-    device: str = "cpu", dtype: str = "float32", one_row: bool = False,
+    device: str = "cpu", dtype: str = "float32", one_row: bool = False, gguf: Path | None = None,
 ) -> Agreement:
-    """Agreement over (prompt ids, greedy continuation) pairs; the model loaded from `model_path`.
+    """Agreement over (prompt ids, greedy continuation) pairs; the model loaded from `model_path` (made from
+    `gguf`, where int4 takes its Q4_1 weights).
 
     The quantized model reads each whole sequence in one forward (several rows a product, as a
     batch decodes), or with `one_row` its continuation a token at a time over its own cache (one
@@ -51,7 +54,7 @@ def teacher_forced_agreement(
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
-    quantized = apply_quantization(copy.deepcopy(base), quantization, torch.device(device), default_cache_dir())
+    quantized = apply_quantization(copy.deepcopy(base), quantization, torch.device(device), default_cache_dir(), gguf)
     positions = same = 0
     gaps: list[float] = []
     for prompt, continuation in sequences:
@@ -107,7 +110,8 @@ def main(args: argparse.Namespace) -> None:
             finally:
                 engine.shutdown()
                 gc.collect()
-    measured = [teacher_forced_agreement(model_path, sequences, q, **placement) for q in args.quantization]
+    gguf = gguf_origin(args.model)
+    measured = [teacher_forced_agreement(model_path, sequences, q, **placement, gguf=gguf) for q in args.quantization]
     if "int8" in args.quantization and args.device == "cpu":  # int8 on the CPU has a kernel of its own at one row
         measured.append(teacher_forced_agreement(model_path, sequences, "int8", **placement, one_row=True))
     print(format_table(rows))

@@ -13,8 +13,8 @@ def str_list(text: str) -> list[str]:
 
 def quantization_list(text: str) -> list[str]:
     kinds = str_list(text)
-    if not kinds or any(kind not in ("int8", "fp8") for kind in kinds):
-        raise argparse.ArgumentTypeError(f"{text!r}: int8, fp8 or both, comma-separated")
+    if not kinds or any(kind not in ("int8", "int4", "fp8") for kind in kinds):
+        raise argparse.ArgumentTypeError(f"{text!r}: int8, int4, fp8 or several, comma-separated")
     return kinds
 
 
@@ -24,7 +24,7 @@ def add_engine_form(parser: argparse.ArgumentParser, quantization: bool = True) 
         "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward"
     )
     if quantization:
-        parser.add_argument("--quantization", default="none", choices=["none", "int8"])
+        parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
 
 
 def int_list(text: str) -> list[int]:
@@ -67,7 +67,7 @@ SHARED_HELP = {
     "requests": "number of requests",
     "concurrency": "requests in flight; a comma list sweeps, e.g. 1,8,32",
     "device": "where it runs: cpu, cuda, cuda:N",
-    "quantization": "the model's weights: none or int8",
+    "quantization": "the model's weights: none, int8 or int4",
     "page_size": "tokens per KV page",
     "rounds": "rounds to repeat (alternating where it compares)",
     "conversations": "conversations",

@@ -90,6 +90,14 @@ def model_source(name_or_path: str) -> EmbeddedModel | HubModel | Path:
     )
 
 
+def gguf_origin(name_or_path: str) -> Path | None:
+    """The GGUF file `name_or_path` is made from (an embedded model's, or a .gguf path), or None."""
+    source = model_source(name_or_path)
+    if isinstance(source, EmbeddedModel):
+        return _gguf_path(source)
+    return source if isinstance(source, Path) and source.suffix == ".gguf" else None
+
+
 def _gguf_path(spec: EmbeddedModel) -> Path:
     # find_spec locates the package without importing it: its __init__ pulls in heavy dependencies.
     found = importlib.util.find_spec(spec.package)

@@ -19,7 +19,7 @@ from serve_app.model.attention import attention_window, register_attention, step
 from serve_app.model.compile_cache import compile_cache_dir
 from serve_app.model.compiled import CompiledForward, compile_forward, compile_unsupported
 from serve_app.model.kernels.decode_kernel import load_decode_kernel
-from serve_app.model.loader import resolve_model_path
+from serve_app.model.loader import gguf_origin, resolve_model_path
 from serve_app.model.lora import AdapterRows, AdapterSlots, lora_rows, wrap_targets
 from serve_app.model.quant.quantization import apply_quantization
 from serve_app.model.tokenizer import Tokenizer
@@ -104,7 +104,9 @@ class ModelRunner:
         ).to(self.device)
         self.model.eval()
         self.max_model_len = _context(hf_config, self.model, config.max_model_len)
-        self.model = apply_quantization(self.model, config.quantization, self.device, config.cache_dir)
+        self.model = apply_quantization(
+            self.model, config.quantization, self.device, config.cache_dir, gguf_origin(config.name)
+        )
         self.adapters: AdapterSlots | None = None  # LoRA adapters, where the config names them or their folder
         if config.serves_adapters:
             layers = wrap_targets(self.model, config.max_num_adapters_per_replica, config.max_lora_rank)

@@ -37,7 +37,7 @@ def adapters(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return {name: build_adapter(tiny_llama_path, folder / name, seed) for seed, name in enumerate("xy", start=5)}
 
 
-@pytest.fixture(scope="module", params=["none", "int8"])
+@pytest.fixture(scope="module", params=["none", "int8", "int4"])
 def compiled(
     tiny_llama_path: Path, adapters: dict[str, Path], request: pytest.FixtureRequest
 ) -> Iterator[InferenceEngine]:
@@ -49,9 +49,9 @@ def compiled(
     assert counters["stats"]["unique_graphs"] - graphs == len(WARM_UP_SHAPES)  # all compiled before serving
     stats = engine.get_stats()
     assert stats["compiled_forward"] == 1 and stats["compile_graphs_compiled"] == len(WARM_UP_SHAPES)
-    # fp32 linears run on oneDNN (the LoRA-wrapped ones too); int8's are its own.
+    # fp32 linears run on oneDNN (the LoRA-wrapped ones too); int8's and int4's are their own.
     on_onednn = [m for m in engine.runner.model.modules() if isinstance(m, OneDnnLinear)]
-    assert len(on_onednn) == (0 if request.param == "int8" else 7 * engine.runner.kv_shape.n_layers + 1)
+    assert len(on_onednn) == (7 * engine.runner.kv_shape.n_layers + 1 if request.param == "none" else 0)
     yield engine
     engine.shutdown()
 

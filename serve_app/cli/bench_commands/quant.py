@@ -13,7 +13,7 @@ HELP = "quantized weights against the unquantized model: greedy agreement, log-p
 
 def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--quantization", type=quantization_list, default=["int8"], help="the quantized weights to measure: int8, fp8 or int8,fp8")
+    parser.add_argument("--quantization", type=quantization_list, default=["int8"], help="the quantized weights to measure: int8, int4, fp8, or several comma-separated")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", help="the unquantized model's dtype and the activations'")
     parser.add_argument("--requests", type=int, default=64)

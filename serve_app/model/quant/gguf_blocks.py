@@ -1,0 +1,96 @@
+"""A GGUF file's Q4_1 linear weights as they are stored, for `quantization: int4`: each 32-weight block's
+fp16 scale and minimum and its 4-bit codes, read without dequantizing, under the module paths of the
+transformers model made from the same file (`model.layers.N.self_attn.q_proj`, ...). llama.cpp stores a
+Llama's query and key rows permuted for its rotary layout; they are put back in transformers' order, as
+transformers' own GGUF loader does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from serve_app.model.quant.int4 import GROUP_SIZE, Int4Weight
+
+# llama.cpp's per-block tensor names -> the transformers decoder layer's module names.
+_LAYER_MODULES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Architectures whose query and key rows llama.cpp's converter permutes (transformers' LlamaTensorProcessor).
+_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+_Q4_1_BLOCK_BYTES = 20  # fp16 scale, fp16 minimum, 16 bytes of codes (two per byte)
+
+
+class Q4_1Weights:
+    """A GGUF file's Q4_1 linear weights of the decoder layers, each read when asked for (so that only one
+    layer's codes are unpacked at a time), by module path."""
+
+    def __init__(self, gguf: Path) -> None:
+        from gguf import GGMLQuantizationType, GGUFReader
+
+        reader = GGUFReader(gguf)
+        self._architecture = _field(reader, "general.architecture")
+        self._heads = _field(reader, f"{self._architecture}.attention.head_count")
+        self._kv_heads = _field(reader, f"{self._architecture}.attention.head_count_kv") or self._heads
+        self._tensors = {}  # module path -> (llama.cpp's tensor kind, the tensor)
+        for tensor in reader.tensors:
+            parts = tensor.name.split(".")  # blk.N.attn_q.weight
+            if tensor.tensor_type != GGMLQuantizationType.Q4_1 or len(parts) != 4 or parts[0] != "blk":
+                continue
+            if parts[2] in _LAYER_MODULES and parts[3] == "weight":
+                self._tensors[f"model.layers.{parts[1]}.{_LAYER_MODULES[parts[2]]}"] = (parts[2], tensor)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def get(self, path: str) -> Int4Weight | None:
+        """The weight of the module at `path`, unpacked from its blocks, or None where the file has none."""
+        if path not in self._tensors:
+            return None
+        kind, tensor = self._tensors[path]
+        weight = _q4_1(np.asarray(tensor.data))
+        if self._architecture in _PERMUTED_ARCHITECTURES and kind in ("attn_q", "attn_k"):
+            weight = _unpermute_rows(weight, self._heads if kind == "attn_q" else self._kv_heads)
+        return weight
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.contents()
+    return int(value) if isinstance(value, (int, np.integer)) else value
+
+
+def _q4_1(data: np.ndarray) -> Int4Weight:
+    """Q4_1 blocks ([out, in / 32 * 20] bytes) as codes, scales and minimums. In a block, byte j holds the
+    code of weight j in its low four bits and of weight j + 16 in its high four."""
+    out_features = data.shape[0]
+    blocks = data.reshape(out_features, -1, _Q4_1_BLOCK_BYTES)
+    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    minimums = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+    packed = blocks[..., 4:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out_features, -1)
+    assert codes.shape[1] == blocks.shape[1] * GROUP_SIZE
+    return Int4Weight(
+        torch.from_numpy(np.ascontiguousarray(codes)),
+        torch.from_numpy(scales.astype(np.float32)),
+        torch.from_numpy(minimums.astype(np.float32)),
+    )
+
+
+def _unpermute_rows(weight: Int4Weight, heads: int) -> Int4Weight:
+    """The rows in transformers' order: within each head, llama.cpp interleaved the rotary halves."""
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        half = tensor.shape[0] // heads // 2
+        return tensor.reshape(heads, half, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape).contiguous()
+
+    return Int4Weight(rows(weight.codes), rows(weight.scales), rows(weight.minimums))
