@@ -93,6 +93,12 @@ class CacheConfig(_Strict):
 
     kind: Literal["paged", "contiguous"] = "paged"
     page_size: int = Field(16, ge=1, le=1024)
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16"] = Field(
+        "auto",
+        description="the cache's element type (vLLM's name): auto, the model's dtype; bfloat16 or float16 halve a "
+        "float32 model's KV bytes per token (twice the tokens in the same memory, half the read per decode step), "
+        "k and v rounded as they are stored and widened as they are read",
+    )
     num_tokens: int | None = Field(None, ge=1)
     num_bytes: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
@@ -194,6 +200,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "max_lora_rank": ("model", "max_lora_rank"),
     "kv_cache": ("cache", "kind"),
     "page_size": ("cache", "page_size"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
     "cache_tokens": ("cache", "num_tokens"),
     "cache_bytes": ("cache", "num_bytes"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),

@@ -88,7 +88,10 @@ def run_engine_bench(
 
 
 def main(args) -> None:
-    engine = InferenceEngine(model=args.model, kv_cache=args.kv_cache, compile=args.compile, quantization=args.quantization)
+    engine = InferenceEngine(
+        model=args.model, kv_cache=args.kv_cache, compile=args.compile, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     try:
         prompts = make_prompts(args.requests, seed=args.seed)
         run_engine_bench(engine, prompts[: min(4, len(prompts))], 4, 4, system="warmup")

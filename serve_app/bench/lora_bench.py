@@ -53,6 +53,7 @@ def main(args: argparse.Namespace) -> None:
         engine = InferenceEngine(
             model=str(path), dynamic_lora_loading_path=folder, max_num_adapters_per_replica=args.adapters,
             max_lora_rank=args.rank, compile=args.compile, quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         shares: list[str | None] = [None, *names]  # the base and each adapter, in even shares
         try:

@@ -131,8 +131,8 @@ def _measure(server: ServeRun, processes: list[psutil.Process], args: argparse.N
 
 def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as workdir:
-        server = ServeRun(Path(workdir), engine_kwargs={"compile": args.compile, "quantization": args.quantization}, timeout=1800,
-                          model=args.model)
+        engine_kwargs = {"compile": args.compile, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+        server = ServeRun(Path(workdir), engine_kwargs=engine_kwargs, timeout=1800, model=args.model)
         try:
             _clients(server.url, server.model_id, 1, 8)  # warm
             processes = _processes(server)

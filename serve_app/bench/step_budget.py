@@ -108,7 +108,9 @@ def measure(engine: InferenceEngine, tokens: int = 128, requests: int = 3, top: 
 
 
 def main(args) -> None:
-    engine = InferenceEngine(model=args.model, compile=args.compile, quantization=args.quantization)
+    engine = InferenceEngine(
+        model=args.model, compile=args.compile, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype
+    )
     try:
         budget = measure(engine, args.tokens, args.requests)
     finally:

@@ -18,13 +18,14 @@ def quantization_list(text: str) -> list[str]:
     return kinds
 
 
-def add_engine_form(parser: argparse.ArgumentParser, quantization: bool = True) -> None:
-    """The options of the engine's form that several benches take: its compiled forward, and its weights."""
+def add_engine_form(parser: argparse.ArgumentParser) -> None:
+    """The options of the engine's form that several benches take: its compiled forward, its weights, its KV
+    cache's element type."""
     parser.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward"
     )
-    if quantization:
-        parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16"])
 
 
 def int_list(text: str) -> list[int]:
@@ -69,6 +70,7 @@ SHARED_HELP = {
     "device": "where it runs: cpu, cuda, cuda:N",
     "quantization": "the model's weights: none, int8 or int4",
     "page_size": "tokens per KV page",
+    "kv_cache_dtype": "the KV cache's element type: auto (the model's), bfloat16 or float16",
     "rounds": "rounds to repeat (alternating where it compares)",
     "conversations": "conversations",
     "turns": "turns per conversation",

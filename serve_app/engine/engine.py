@@ -128,7 +128,7 @@ class InferenceEngine(Conveniences):
         self._activity = ActivityLog(self.get_stats, interval) if interval > 0 else None
 
     def _load(self) -> tuple[ModelRunner, KVCache]:
-        runner = ModelRunner(self.config.model)
+        runner = ModelRunner(self.config.model, self.config.cache.kv_cache_dtype)
         scheduler = self.config.scheduler
         activations = runner.activation_bytes(scheduler.max_num_batched_tokens, self._max_sampled_rows())
         cache = build_kv_cache(self.config.cache, runner.kv_shape, runner.max_model_len, runner.device, activations)

@@ -155,9 +155,9 @@ class KVCacheView:
         )
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store the new tokens' k/v ([T, n_kv_heads, head_dim], post-RoPE) in their slots."""
-        self.storage.flat_k(layer).index_copy_(0, self.write_slots, key)
-        self.storage.flat_v(layer).index_copy_(0, self.write_slots, value)
+        """Store the new tokens' k/v ([T, n_kv_heads, head_dim], post-RoPE) in their slots, in the cache's dtype."""
+        self.storage.flat_k(layer).index_copy_(0, self.write_slots, key.to(self.storage.dtype))
+        self.storage.flat_v(layer).index_copy_(0, self.write_slots, value.to(self.storage.dtype))
 
     def context(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's context k and v, gathered, as [S, n_kv_heads, context_len, head_dim] views."""

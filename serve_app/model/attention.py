@@ -113,7 +113,7 @@ def paged_attention_step(
     elif decode is not None:
         n_kv_heads = keys.shape[1]
         for group in kv_view.decode_groups:
-            k, v = kv_view.context(layer, group)
+            k, v = (x.to(queries.dtype) for x in kv_view.context(layer, group))
             rows = queries[group.rows]
             # A kv head's query heads become its query rows, so no k/v is repeated.
             q = rows.view(group.num_seqs, n_kv_heads, -1, rows.shape[-1])
@@ -123,7 +123,7 @@ def paged_attention_step(
         if group.context_is_new:
             k, v = keys[group.rows].transpose(0, 1)[None], values[group.rows].transpose(0, 1)[None]
         else:
-            k, v = kv_view.context(layer, group)
+            k, v = (x.to(queries.dtype) for x in kv_view.context(layer, group))
         q = queries[group.rows].view(1, group.q_len, -1, queries.shape[-1]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q,

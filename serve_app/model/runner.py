@@ -83,7 +83,8 @@ def _context(hf_config: Any, model: torch.nn.Module, asked: int | None) -> int:
 class ModelRunner:
     """Owns the model, its tokenizer and the facts the cache needs (`kv_shape`, `max_model_len`)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_cache_dtype: str = "auto") -> None:
+        """`kv_cache_dtype`: the cache's element type (`CacheConfig.kv_cache_dtype`; auto: the model's dtype)."""
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         self.path = resolve_model_path(config.name, config.cache_dir)
@@ -120,7 +121,7 @@ class ModelRunner:
             n_layers=text_config.num_hidden_layers,
             n_kv_heads=getattr(text_config, "num_key_value_heads", None) or n_heads,
             head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // n_heads,
-            dtype=self.dtype,
+            dtype=self.dtype if kv_cache_dtype == "auto" else _DTYPES[kv_cache_dtype],
         )
         self.vocab_size = int(text_config.vocab_size)
         self.hidden_size = int(text_config.hidden_size)  # an embedding's length

@@ -56,8 +56,11 @@ def _filled_cache(shape: KVShape, page_size: int, lengths: list[int]) -> PageCac
         (6, 3, 4, 8),  # plain loops throughout
     ],
 )
-def test_kernel_matches_sdpa_over_the_gathered_context(kernel: DecodeKernel, n_heads, n_kv_heads, page_size, head_dim) -> None:
-    shape = KVShape(n_layers=2, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=torch.float32)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])  # kv_cache_dtype
+def test_kernel_matches_sdpa_over_the_gathered_context(
+    kernel: DecodeKernel, n_heads, n_kv_heads, page_size, head_dim, kv_dtype: torch.dtype
+) -> None:
+    shape = KVShape(n_layers=2, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=kv_dtype)
     lengths = [300, 41, 17, 16, 1, 90]
     cache = _filled_cache(shape, page_size, lengths)
     for task, length in enumerate(lengths):
@@ -71,8 +74,9 @@ def test_kernel_matches_sdpa_over_the_gathered_context(kernel: DecodeKernel, n_h
 
     for row, task_pages in enumerate(cache.tasks[t].pages for t in range(len(lengths))):
         n = lengths[row] + 1
-        k = cache.storage.k[1][task_pages].reshape(-1, n_kv_heads, head_dim)[:n].transpose(0, 1)
-        v = cache.storage.v[1][task_pages].reshape(-1, n_kv_heads, head_dim)[:n].transpose(0, 1)
+        # The 16-bit elements as they are, widened: the kernel reads them so.
+        k = cache.storage.k[1][task_pages].reshape(-1, n_kv_heads, head_dim)[:n].transpose(0, 1).float()
+        v = cache.storage.v[1][task_pages].reshape(-1, n_kv_heads, head_dim)[:n].transpose(0, 1).float()
         want = F.scaled_dot_product_attention(query[row][:, None], k, v, scale=0.125, enable_gqa=True)[:, 0]
         torch.testing.assert_close(got[row], want, atol=2e-6, rtol=1e-5)
 
@@ -83,6 +87,10 @@ def test_kernel_rejects_tensors_it_cannot_read(kernel: DecodeKernel) -> None:
     lens = torch.ones(1, dtype=torch.long)
     with pytest.raises(ValueError, match="float32"):
         kernel(torch.zeros(1, 4, 8, dtype=torch.float64), k, k, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="bfloat16 or float16 k/v"):
+        kernel(torch.zeros(1, 4, 8), k.double(), k.double(), tables, lens, 1.0)
+    with pytest.raises(ValueError, match="bfloat16 or float16 k/v"):
+        kernel(torch.zeros(1, 4, 8), k.half(), k.bfloat16(), tables, lens, 1.0)
     with pytest.raises(ValueError, match="int64"):
         kernel(torch.zeros(1, 4, 8), k, k, tables.int(), lens, 1.0)
     with pytest.raises(ValueError, match="does not fit"):

@@ -1,7 +1,8 @@
 /* Decode attention straight from the KV cache's pages: one new query token per sequence.
  *
  * query, out      [num_seqs, n_heads, head_dim]                 float32, contiguous
- * k, v            [n_pages, page_size, n_kv_heads, head_dim]   one layer of the cache, contiguous
+ * k, v            [n_pages, page_size, n_kv_heads, head_dim]   one layer of the cache, contiguous, float32,
+ *                                                              bfloat16 or float16 (`kv_type`), read as float32
  * page_tables    [num_seqs, max_pages]                        int64, the pages of each sequence in order
  * context_lens    [num_seqs]                                    int64, tokens each query attends to (>= 1)
  *
@@ -27,6 +28,50 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef _Float16 h16 __attribute__((vector_size(32)));
+
+/* The cache's element type; a 16-bit one is widened to float32 as it is read. */
+typedef enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 } KvType;
+
+typedef struct {
+    const char *base;
+    KvType type;
+    int64_t element_bytes;
+} KvPages;
+
+/* Elements at..at+15 of `pages` as float32. */
+static inline v16 load16(const KvPages *pages, int64_t at) {
+    v16 out;
+    if (pages->type == KV_FLOAT32) {
+        memcpy(&out, pages->base + at * 4, sizeof out);
+    } else if (pages->type == KV_BFLOAT16) { /* a bfloat16 is a float32's upper half */
+        u16x16 half;
+        memcpy(&half, pages->base + at * 2, sizeof half);
+        const i16 wide = __builtin_convertvector(half, i16) << 16;
+        memcpy(&out, &wide, sizeof out);
+    } else {
+        h16 half;
+        memcpy(&half, pages->base + at * 2, sizeof half);
+        out = __builtin_convertvector(half, v16);
+    }
+    return out;
+}
+
+static inline float load1(const KvPages *pages, int64_t at) {
+    if (pages->type == KV_FLOAT32) return ((const float *)pages->base)[at];
+    if (pages->type == KV_BFLOAT16) {
+        const int32_t wide = (int32_t)((const uint16_t *)pages->base)[at] << 16;
+        float out;
+        memcpy(&out, &wide, sizeof out);
+        return out;
+    }
+    return (float)((const _Float16 *)pages->base)[at];
+}
+
+static inline void prefetch(const KvPages *pages, int64_t at) {
+    __builtin_prefetch(pages->base + at * pages->element_bytes, 0, 3);
+}
 
 /* e^x for x <= 0 (a score minus its row's maximum), within 2 ulp of expf: x = n ln2 + r, e^r by
  * Cephes' polynomial, 2^n by the exponent bits. Unlike expf it vectorizes (no errno, no call). */
@@ -62,18 +107,17 @@ static inline float exp_nonpositive(float x) {
 #define L4 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define H4 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
 
-/* q . rows[t] for t < 16 (a NULL row gives 0), head_dim a multiple of 16: each row's products in
- * one vector, then the 16 vectors summed lane-wise by four folds into one vector of 16 dots. */
-static inline v16 dots16(const float *q, const float *const rows[16], int64_t head_dim) {
+/* q . the key row at rows[t] for t < 16 (an offset of -1 gives 0), head_dim a multiple of 16: each row's
+ * products in one vector, then the 16 vectors summed lane-wise by four folds into one vector of 16 dots. */
+static inline v16 dots16(const float *q, const KvPages *k, const int64_t rows[16], int64_t head_dim) {
     v16 acc[16];
     for (int t = 0; t < 16; ++t) {
         v16 sum = {0};
-        if (rows[t] != NULL)
+        if (rows[t] >= 0)
             for (int64_t i = 0; i < head_dim; i += 16) {
-                v16 x, y;
+                v16 x;
                 memcpy(&x, q + i, sizeof x);
-                memcpy(&y, rows[t] + i, sizeof y);
-                sum += x * y;
+                sum += x * load16(k, rows[t] + i);
             }
         acc[t] = sum;
     }
@@ -96,31 +140,30 @@ static inline int64_t row_offset(const Rows *rows, int64_t t) {
 
 /* scores[h * len + t] = scale * q_h . k_t for the `group` query heads at `qg` (prefetching the value
  * rows `weigh_values` reads next). */
-static void score(const float *qg, const float *k, const float *v, const Rows *rows, int64_t len, int64_t group,
+static void score(const float *qg, const KvPages *k, const KvPages *v, const Rows *rows, int64_t len, int64_t group,
                   int64_t head_dim, float scale, float *scores) {
     if (head_dim % 16 == 0) {
         for (int64_t start = 0; start < len; start += 16) {
-            const float *block[16];
-            for (int64_t t = 0; t < 16; ++t) block[t] = start + t < len ? k + row_offset(rows, start + t) : NULL;
+            int64_t block[16];
+            for (int64_t t = 0; t < 16; ++t) block[t] = start + t < len ? row_offset(rows, start + t) : -1;
             for (int64_t t = start + 16; t < start + 32 && t < len; ++t) /* the next block's keys */
-                for (int64_t i = 0; i < head_dim; i += 16) __builtin_prefetch(k + row_offset(rows, t) + i, 0, 3);
+                for (int64_t i = 0; i < head_dim; i += 16) prefetch(k, row_offset(rows, t) + i);
             for (int64_t t = start; t < start + 16 && t < len; ++t) /* this block's values */
-                for (int64_t i = 0; i < head_dim; i += 16) __builtin_prefetch(v + row_offset(rows, t) + i, 0, 3);
+                for (int64_t i = 0; i < head_dim; i += 16) prefetch(v, row_offset(rows, t) + i);
             const int64_t count = len - start < 16 ? len - start : 16;
             for (int64_t h = 0; h < group; ++h) {
-                const v16 dots = dots16(qg + h * head_dim, block, head_dim) * scale;
+                const v16 dots = dots16(qg + h * head_dim, k, block, head_dim) * scale;
                 memcpy(scores + h * len + start, &dots, sizeof(float) * (size_t)count);
             }
         }
         return;
     }
     for (int64_t t = 0; t < len; ++t) {
-        const float *kt = k + row_offset(rows, t);
+        const int64_t kt = row_offset(rows, t);
         for (int64_t h = 0; h < group; ++h) {
             const float *qh = qg + h * head_dim;
             float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < head_dim; ++i) dot += qh[i] * kt[i];
+            for (int64_t i = 0; i < head_dim; ++i) dot += qh[i] * load1(k, kt + i);
             scores[h * len + t] = dot * scale;
         }
     }
@@ -141,7 +184,7 @@ static void softmax(float *row, int64_t len) {
 }
 
 /* og[h] = sum over t of probs[h * len + t] * v_t, for the `group` heads. */
-static void weigh_values(const float *probs, const float *v, const Rows *rows, int64_t len, int64_t group,
+static void weigh_values(const float *probs, const KvPages *v, const Rows *rows, int64_t len, int64_t group,
                          int64_t head_dim, float *og) {
     if (head_dim % 64 == 0) {
         for (int64_t d0 = 0; d0 < head_dim; d0 += 64)
@@ -149,8 +192,8 @@ static void weigh_values(const float *probs, const float *v, const Rows *rows, i
                 const int64_t heads = group - h0 < 4 ? group - h0 : 4;
                 v16 acc[4][4] = {{{0}}};
                 for (int64_t t = 0; t < len; ++t) {
-                    v16 x[4];
-                    memcpy(x, v + row_offset(rows, t) + d0, sizeof x);
+                    const int64_t at = row_offset(rows, t) + d0;
+                    const v16 x[4] = {load16(v, at), load16(v, at + 16), load16(v, at + 32), load16(v, at + 48)};
                     for (int h = 0; h < 4 && h < heads; ++h) {
                         const float p = probs[(h0 + h) * len + t];
                         for (int c = 0; c < 4; ++c) acc[h][c] += p * x[c];
@@ -162,21 +205,22 @@ static void weigh_values(const float *probs, const float *v, const Rows *rows, i
     }
     memset(og, 0, sizeof(float) * (size_t)(group * head_dim));
     for (int64_t t = 0; t < len; ++t) {
-        const float *vt = v + row_offset(rows, t);
+        const int64_t vt = row_offset(rows, t);
         for (int64_t h = 0; h < group; ++h) {
             const float p = probs[h * len + t];
             float *oh = og + h * head_dim;
-#pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) oh[i] += p * vt[i];
+            for (int64_t i = 0; i < head_dim; ++i) oh[i] += p * load1(v, vt + i);
         }
     }
 }
 
-int paged_decode_attention(const float *query, const float *k, const float *v, const int64_t *page_tables,
+int paged_decode_attention(const float *query, const void *k, const void *v, int kv_type, const int64_t *page_tables,
                            const int64_t *context_lens, float *out, int64_t num_seqs, int64_t n_heads,
                            int64_t n_kv_heads, int64_t head_dim, int64_t page_size, int64_t max_pages,
                            float scale, int n_threads) {
     const int64_t group = n_heads / n_kv_heads;
+    const int64_t element_bytes = kv_type == KV_FLOAT32 ? 4 : 2;
+    const KvPages k_pages = {k, (KvType)kv_type, element_bytes}, v_pages = {v, (KvType)kv_type, element_bytes};
     int64_t max_len = 1;
     for (int64_t s = 0; s < num_seqs; ++s) max_len = context_lens[s] > max_len ? context_lens[s] : max_len;
     int failed = 0;
@@ -196,9 +240,9 @@ int paged_decode_attention(const float *query, const float *k, const float *v, c
                 const Rows rows = {page_tables + seq * max_pages, page_size, page_size * n_kv_heads * head_dim,
                                    n_kv_heads * head_dim, g * head_dim};
                 const int64_t first = (seq * n_heads + g * group) * head_dim; /* query head g * group onwards */
-                score(query + first, k, v, &rows, len, group, head_dim, scale, scores);
+                score(query + first, &k_pages, &v_pages, &rows, len, group, head_dim, scale, scores);
                 for (int64_t h = 0; h < group; ++h) softmax(scores + h * len, len);
-                weigh_values(scores, v, &rows, len, group, head_dim, out + first);
+                weigh_values(scores, &v_pages, &rows, len, group, head_dim, out + first);
             }
         free(scores);
     }
