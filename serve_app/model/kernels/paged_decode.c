@@ -22,6 +22,9 @@
  * Returns 0, or -1 when a score buffer could not be allocated.
  */
 #include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,9 +54,14 @@ static inline v16 load16(const KvPages *pages, int64_t at) {
         const i16 wide = __builtin_convertvector(half, i16) << 16;
         memcpy(&out, &wide, sizeof out);
     } else {
+#if defined(__AVX512F__) /* vcvtph2ps: GCC widens a _Float16 vector element by element */
+        const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pages->base + at * 2)));
+        memcpy(&out, &wide, sizeof out);
+#else
         h16 half;
         memcpy(&half, pages->base + at * 2, sizeof half);
         out = __builtin_convertvector(half, v16);
+#endif
     }
     return out;
 }
