@@ -1,8 +1,8 @@
 """`serve-app bench compare`: every system over the same prompts in one run, side by side, as ratios.
 
 Each in-process system runs in a fresh subprocess (its own memory peak, no shared state); the
-HTTP systems are a real `serve run` (`http`, the shipped config, compiled; `http-int8` with int8
-weights; `-eager` without the compiled forward) and llama.cpp's
+HTTP systems are a real `serve run` (`http`, the shipped config, compiled; `http-int8` and `http-int4`
+with int8 and 4-bit weights; `-kv16` with a bfloat16 KV cache; `-eager` without the compiled forward) and llama.cpp's
 `llama-server` on each GGUF given (`llama-server:<file stem>`), loaded by one async client from this
 process. The HTTP systems run each workload asked for on one start: `completions`, the same token-id
 prompts streamed through this server's `/v1/completions` and llama-server's `/completion`, and `chat`,
@@ -35,6 +35,9 @@ from serve_app.bench.stats import BenchRow, format_table
 HTTP_SYSTEMS = {
     "http": {},
     "http-int8": {"quantization": "int8"},
+    "http-int4": {"quantization": "int4"},
+    "http-kv16": {"kv_cache_dtype": "bfloat16"},
+    "http-int4-kv16": {"quantization": "int4", "kv_cache_dtype": "bfloat16"},
     "http-eager": {"compile": False},
     "http-int8-eager": {"quantization": "int8", "compile": False},
 }

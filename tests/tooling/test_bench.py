@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,6 +180,38 @@ def test_process_cpu_names_each_process_and_charges_it_per_token() -> None:
     assert [(r.role, r.pid) for r in rows] == [("engine process", 1), ("llm:Ingress", 2)]  # one gone, one new: neither
     assert abs(rows[0].cpu_ms_per_token - 90.0) < 1e-9 and abs(rows[1].cpu_ms_per_token - 2.0) < 1e-9
     assert rows[0].switches_per_token == 0.1 and rows[1].switches_per_token == 1.0
+
+
+def test_memory_bench_splits_shared_pages_among_the_processes_of_a_tree() -> None:
+    """A child holding 64 MiB of its own and sharing 32 MiB with this process: its own set counts the 64 MiB,
+    its resident set the shared 32 MiB too, and its proportional set half of them."""
+    from serve_app.bench.memory import measure
+
+    script = (
+        "import mmap, sys\n"
+        "shared = mmap.mmap(int(sys.argv[1]), 32 << 20)\n"
+        "shared.read(32 << 20)\n"  # touch every shared page
+        "own = bytearray(b'x' * (64 << 20))\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    with tempfile.TemporaryFile() as backing:
+        backing.truncate(32 << 20)
+        mine = mmap.mmap(backing.fileno(), 32 << 20)
+        mine.write(b"y" * (32 << 20))  # resident here too
+        child = subprocess.Popen([sys.executable, "-c", script, str(backing.fileno())], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, pass_fds=(backing.fileno(),))
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            tree = measure("this test", os.getpid())
+            row = next(r for r in tree.processes if r.pid == child.pid)
+            assert 64 <= row.uss_mib < 64 + 24  # its bytearray and its interpreter's own pages
+            assert row.rss_mib >= row.uss_mib + 32 - 1
+            assert row.uss_mib + 15 <= row.pss_mib <= row.uss_mib + 17 + 8  # half the shared 32 MiB
+            assert tree.pss_mib < tree.rss_mib and tree.processes[0].pss_mib >= tree.processes[-1].pss_mib
+        finally:
+            child.communicate("")
+            mine.close()
 
 
 def test_decode_kernel_bench_times_this_kernel_and_another_source_warm_and_cold(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from serve_app.cli.bench_commands import (
     engine,
     gpu_check,
     lora,
+    memory,
     prefix,
     process_cpu,
     quant,
@@ -26,7 +27,7 @@ from serve_app.cli.bench_commands import (
     tiers,
 )
 
-COMMANDS = [engine, compare, serve, prefix, tiers, spec, soak, abuse, start, process_cpu, step_budget, decode_kernel, structured, lora, clients, quant, gpu_check, route]
+COMMANDS = [engine, compare, serve, prefix, tiers, spec, soak, abuse, start, process_cpu, memory, step_budget, decode_kernel, structured, lora, clients, quant, gpu_check, route]
 
 
 def add_bench(commands: argparse._SubParsersAction) -> None:
