@@ -20,8 +20,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--systems", type=str_list, default=None,
-        help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http,http-int8,http-eager,"
-        "http-int8-eager,llama-server",
+        help="comma list of engine,hf-sequential,hf-static,hf-generate-batch,http,http-int8,http-int4,http-kv16,"
+        "http-int4-kv16,http-eager,http-int8-eager,llama-server",
     )
     parser.add_argument(
         "--workloads", type=str_list, default=["completions", "chat"],
