@@ -1,7 +1,8 @@
 """`serve-app bench decode-kernel`: the paged decode-attention kernel timed on one layer's call, with its
 pages in cache (warm) and after other memory traffic has gone through the caches (cold, as in a step,
-where the layer's matrix products run between two calls); `--against` another source of it (an earlier
-`paged_decode.c`, say) times that one alongside, alternating."""
+where the layer's matrix products run between two calls), its pages in each of `--kv-dtype`'s element types;
+`--against` another source of it (an earlier `paged_decode.c` of the same signature, say) times that one
+alongside, alternating."""
 
 from __future__ import annotations
 
@@ -67,15 +68,18 @@ def main(args: argparse.Namespace) -> None:
         kernels = {"this kernel": build_decode_kernel(Path(cache))}
         if args.against:
             kernels[args.against] = DecodeKernel(*build_library(Path(args.against), Path(cache)))
-        inputs = _inputs(args)
+        query, k, v, tables, lengths = _inputs(args)
         traffic = torch.ones(TRAFFIC_BYTES // 4)
         rows = []
         for round_ in range(args.rounds):
             for name, kernel in kernels.items():
-                for state, flush in (("warm", None), ("cold", traffic)):
-                    seconds = _time(kernel, inputs, args.head_dim**-0.5, args.calls, flush)
-                    rows.append({"kernel": name, "round": round_, "caches": state, "ms_per_call": round(seconds * 1e3, 4)})
-                    print(f"round {round_}  {name:>30}  {state}: {seconds * 1e3:.3f} ms a call")
+                for dtype in args.kv_dtype:
+                    inputs = (query, k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype)), tables, lengths)
+                    for state, flush in (("warm", None), ("cold", traffic)):
+                        seconds = _time(kernel, inputs, args.head_dim**-0.5, args.calls, flush)
+                        rows.append({"kernel": name, "kv_dtype": dtype, "round": round_, "caches": state,
+                                     "ms_per_call": round(seconds * 1e3, 4)})
+                        print(f"round {round_}  {name:>30}  {dtype:>8} pages  {state}: {seconds * 1e3:.3f} ms a call")
     if args.json:
         shape = {name: getattr(args, name) for name in ("rows", "heads", "kv_heads", "head_dim", "page_size", "context", "threads")}
         Path(args.json).write_text(json.dumps({"shape": shape, "rows": rows}, indent=2))

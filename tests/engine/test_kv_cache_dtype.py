@@ -12,6 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from serve_app import GenerateRequest, InferenceEngine
+from serve_app.bench.quant_bench import greedy_agreement
 from serve_app.config import EngineConfig
 from serve_app.wire.calls import KVConfig
 from tests.prompts import oracle_prompts
@@ -55,12 +56,17 @@ def test_greedy_tokens_stay_with_fp32_on_the_standard_prompts(half_kv: Inference
     prompts = oracle_prompts(half_kv.tokenizer)
     results = [half_kv.submit(GenerateRequest(prompt=p, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
                for p in prompts]
-    same = total = 0
-    for prompt, result in zip(prompts, [r.wait(180) for r in results]):
-        expected = reference.greedy(prompt, NEW_TOKENS)
-        agreeing = next((i for i, (a, b) in enumerate(zip(result.token_ids, expected)) if a != b), NEW_TOKENS)
-        same, total = same + agreeing, total + NEW_TOKENS
-    assert same / total >= 0.9, (same, total)
+    measured = greedy_agreement(
+        half_kv.config.cache.kv_cache_dtype, [reference.greedy(p, NEW_TOKENS) for p in prompts],
+        [r.wait(180).token_ids for r in results],
+    )
+    assert measured.prompts == len(prompts)
+    assert measured.tokens_before_divergence >= 0.9, measured
+
+
+def test_greedy_agreement_counts_the_tokens_before_the_first_that_differs() -> None:
+    measured = greedy_agreement("bfloat16", [[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+    assert (measured.prompts, measured.identical, measured.tokens_before_divergence) == (2, 1, 0.75)
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_naming_it() -> None:

@@ -214,8 +214,30 @@ def test_memory_bench_splits_shared_pages_among_the_processes_of_a_tree() -> Non
             mine.close()
 
 
+def test_random_model_is_made_once_with_its_shape_and_the_embedded_tokenizer(tmp_path: Path, model_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from serve_app.bench.random_model import SHAPE, make_model
+    from serve_app.model.tokenizer import Tokenizer
+
+    small = {**SHAPE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16}
+    folder = make_model(tmp_path / "tiny-random", 3, model_path, small)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (2, 64, 49152)
+    assert Tokenizer(folder).encode("Hello there") == Tokenizer(model_path).encode("Hello there")
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert make_model(tmp_path / "tiny-random", 3, model_path, small) == folder  # made once
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    # The default shape is Llama 3.2 1B's decoder: about 1B parameters on this vocabulary.
+    hidden, kv = SHAPE["hidden_size"], SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
+    layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * SHAPE["intermediate_size"]
+    assert 0.9e9 < SHAPE["num_hidden_layers"] * layer + 49152 * hidden < 1.2e9
+
+
 def test_decode_kernel_bench_times_this_kernel_and_another_source_warm_and_cold(tmp_path: Path) -> None:
-    """`--against` builds the other source too; every (round, kernel, caches) gets a time, written to --json."""
+    """`--against` builds the other source too; every (round, kernel, pages' dtype, caches) gets a time, written to
+    --json."""
     from serve_app.model.kernels.decode_kernel import SOURCE
 
     older = tmp_path / "older.c"
@@ -223,13 +245,15 @@ def test_decode_kernel_bench_times_this_kernel_and_another_source_warm_and_cold(
     report = tmp_path / "kernel.json"
     subprocess.run(
         [sys.executable, "-m", "serve_app.cli", "bench", "decode-kernel", "--rows", "4", "--context", "40",
-         "--calls", "3", "--rounds", "1", "--against", str(older), "--json", str(report)],
+         "--calls", "3", "--rounds", "1", "--against", str(older), "--kv-dtype", "float32,bfloat16", "--json",
+         str(report)],
         check=True, timeout=300,
     )
     rows = json.loads(report.read_text())["rows"]
-    assert {(r["kernel"], r["caches"]) for r in rows} == {
-        (name, caches) for name in ("this kernel", str(older)) for caches in ("warm", "cold")
-    }
+    assert sorted((r["kernel"], r["kv_dtype"], r["caches"]) for r in rows) == sorted(
+        (name, dtype, caches) for name in ("this kernel", str(older)) for dtype in ("float32", "bfloat16")
+        for caches in ("warm", "cold")
+    )
     assert all(r["ms_per_call"] > 0 for r in rows)
 
 

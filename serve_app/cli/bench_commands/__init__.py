@@ -17,6 +17,7 @@ from serve_app.cli.bench_commands import (
     prefix,
     process_cpu,
     quant,
+    random_model,
     route,
     serve,
     soak,
@@ -27,7 +28,7 @@ from serve_app.cli.bench_commands import (
     tiers,
 )
 
-COMMANDS = [engine, compare, serve, prefix, tiers, spec, soak, abuse, start, process_cpu, memory, step_budget, decode_kernel, structured, lora, clients, quant, gpu_check, route]
+COMMANDS = [engine, compare, serve, prefix, tiers, spec, soak, abuse, start, process_cpu, memory, step_budget, decode_kernel, structured, lora, clients, quant, gpu_check, route, random_model]
 
 
 def add_bench(commands: argparse._SubParsersAction) -> None:
