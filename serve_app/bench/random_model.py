@@ -22,7 +22,9 @@ SHAPE = {
     "tie_word_embeddings": True,
 }
 GGUF_KINDS = ("q8_0", "q4_1")  # quantized from the F32 file by llama-quantize
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "vocab.json", "merges.txt",
+)
 
 
 def make_model(folder: Path, seed: int, tokenizer_from: Path, shape: dict | None = None) -> Path:

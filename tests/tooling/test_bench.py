@@ -225,7 +225,8 @@ def test_random_model_is_made_once_with_its_shape_and_the_embedded_tokenizer(tmp
     folder = make_model(tmp_path / "tiny-random", 3, model_path, small)
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (2, 64, 49152)
-    assert Tokenizer(folder).encode("Hello there") == Tokenizer(model_path).encode("Hello there")
+    chat = [{"role": "user", "content": "Hello there"}]  # its chat template too
+    assert Tokenizer(folder).encode_chat(chat) == Tokenizer(model_path).encode_chat(chat)
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     assert make_model(tmp_path / "tiny-random", 3, model_path, small) == folder  # made once
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
