@@ -1,5 +1,5 @@
 """`serve-app bench random-model`: a Llama-shaped model of about 1B parameters with random weights (by default
-Llama 3.2 1B's shape on the embedded model's tokenizer), for timing the servers where real models live: reading
+Llama 3.2 1B's shape on the tokenizer of `--model`, the embedded model's), for timing the servers where real models live: reading
 the weights bounds each decode step. Made once with transformers into `<cache dir>/models/bench/<name>`; with
 `--llama-cpp`, a llama.cpp source tree with its tools built, also converted for llama-server by llama.cpp's own
 `convert_hf_to_gguf.py` (F32) and `llama-quantize` (Q8_0, Q4_1) beside it. Its tokens mean nothing: time only."""
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from serve_app.config import DEFAULT_MODEL, default_cache_dir
+from serve_app.config import default_cache_dir
 from serve_app.model.loader import prepare_once, resolve_model_path
 
 # Llama 3.2 1B's decoder on SmolLM2's 49152-token vocabulary: 1.07B parameters (the LM head tied).
@@ -76,7 +76,7 @@ def _run(command: list[str]) -> None:
 def main(args: argparse.Namespace) -> None:
     cache_dir = default_cache_dir()
     folder = make_model(
-        cache_dir / "models" / "bench" / args.name, args.seed, resolve_model_path(DEFAULT_MODEL, cache_dir)
+        cache_dir / "models" / "bench" / args.name, args.seed, resolve_model_path(args.model, cache_dir)
     )
     print(f"model: {folder}")
     if args.llama_cpp:

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from serve_app.config import DEFAULT_MODEL
+
 NAME = "random-model"
 HELP = "a Llama-shaped 1B model of random weights (made once), and with --llama-cpp its GGUFs for llama-server"
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="the model whose tokenizer (and vocabulary size) the random one takes"
+    )
     parser.add_argument("--name", default="llama-1b-random", help="its folder's name under <cache dir>/models/bench")
     parser.add_argument("--seed", type=int, default=0, help="seed of its random weights")
     parser.add_argument(
