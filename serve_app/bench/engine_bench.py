@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -87,11 +88,14 @@ def run_engine_bench(
     return row
 
 
+def engine_form(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options that the benches' engine-form flags (`cli.parsing.add_engine_form`) set: the compiled
+    forward, the weights and the KV cache's element type."""
+    return {"compile": args.compile, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+
+
 def main(args) -> None:
-    engine = InferenceEngine(
-        model=args.model, kv_cache=args.kv_cache, compile=args.compile, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    engine = InferenceEngine(model=args.model, kv_cache=args.kv_cache, **engine_form(args))
     try:
         prompts = make_prompts(args.requests, seed=args.seed)
         run_engine_bench(engine, prompts[: min(4, len(prompts))], 4, 4, system="warmup")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from serve_app.bench.engine_bench import run_engine_bench
+from serve_app.bench.engine_bench import engine_form, run_engine_bench
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import format_table
 from serve_app.engine.engine import InferenceEngine
@@ -52,8 +52,7 @@ def main(args: argparse.Namespace) -> None:
         names = write_adapters(str(path), Path(folder), args.adapters, args.rank)
         engine = InferenceEngine(
             model=str(path), dynamic_lora_loading_path=folder, max_num_adapters_per_replica=args.adapters,
-            max_lora_rank=args.rank, compile=args.compile, quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
+            max_lora_rank=args.rank, **engine_form(args),
         )
         shares: list[str | None] = [None, *names]  # the base and each adapter, in even shares
         try:

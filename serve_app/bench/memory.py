@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 
+from serve_app.bench.engine_bench import engine_form
 from serve_app.bench.process_cpu import role_of
 from serve_app.bench.servers import LlamaServer, ServeRun, served_id
 from serve_app.bench.systems import stream_requests
@@ -81,9 +82,8 @@ def _print(memory: SystemMemory) -> None:
 
 def main(args: argparse.Namespace) -> None:
     measured: list[SystemMemory] = []
-    engine_kwargs = {"compile": args.compile, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as workdir:
-        server = ServeRun(Path(workdir), engine_kwargs=engine_kwargs, timeout=1800, model=args.model)
+        server = ServeRun(Path(workdir), engine_kwargs=engine_form(args), timeout=1800, model=args.model)
         try:
             _load(server.url, server.model_id, args)
             measured.append(measure("serve run", server.process.pid))

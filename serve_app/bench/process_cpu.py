@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from serve_app.bench.engine_bench import engine_form
 from serve_app.bench.servers import ServeRun
 from serve_app.bench.stats import percentile
 from serve_app.bench.systems import stream_requests
@@ -131,8 +132,7 @@ def _measure(server: ServeRun, processes: list[psutil.Process], args: argparse.N
 
 def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="serve-app-bench-") as workdir:
-        engine_kwargs = {"compile": args.compile, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
-        server = ServeRun(Path(workdir), engine_kwargs=engine_kwargs, timeout=1800, model=args.model)
+        server = ServeRun(Path(workdir), engine_kwargs=engine_form(args), timeout=1800, model=args.model)
         try:
             _clients(server.url, server.model_id, 1, 8)  # warm
             processes = _processes(server)

@@ -125,8 +125,8 @@ def main(args: argparse.Namespace) -> None:
                     _, continuations = run_engine_bench(engine, prompts, 64, args.max_tokens, system=label, return_tokens=True)
                     sequences = [(engine.tokenizer.encode(p), c) for p, c in zip(prompts, continuations)]
                     model_path = str(engine.runner.path)
-                if "kv_cache_dtype" in form and label not in kv_continuations:
-                    _, kv_continuations[label] = run_engine_bench(
+                if "kv_cache_dtype" in form and form["kv_cache_dtype"] not in kv_continuations:
+                    _, kv_continuations[form["kv_cache_dtype"]] = run_engine_bench(
                         engine, prompts, 64, args.max_tokens, system=label, return_tokens=True
                     )
                 run_engine_bench(engine, prompts[:4], 4, 4, system="warmup")
@@ -138,8 +138,7 @@ def main(args: argparse.Namespace) -> None:
     measured = [teacher_forced_agreement(model_path, sequences, q, **placement, gguf=gguf) for q in args.quantization]
     if "int8" in args.quantization and args.device == "cpu":  # int8 on the CPU has a kernel of its own at one row
         measured.append(teacher_forced_agreement(model_path, sequences, "int8", **placement, one_row=True))
-    greedy = [greedy_agreement(label.removeprefix("kv "), [c for _, c in sequences], tokens)
-              for label, tokens in kv_continuations.items()]
+    greedy = [greedy_agreement(dtype, [c for _, c in sequences], tokens) for dtype, tokens in kv_continuations.items()]
     print(format_table(rows))
     for kv in greedy:
         print(f"KV cache in {kv.kv_cache_dtype} against {args.dtype}'s, greedy (64 in flight) over {kv.prompts} prompts: "

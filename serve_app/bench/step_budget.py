@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from serve_app.bench.engine_bench import engine_form
 from serve_app.engine.engine import InferenceEngine
 from serve_app.wire.requests import GenerateRequest
 
@@ -108,9 +109,7 @@ def measure(engine: InferenceEngine, tokens: int = 128, requests: int = 3, top: 
 
 
 def main(args) -> None:
-    engine = InferenceEngine(
-        model=args.model, compile=args.compile, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype
-    )
+    engine = InferenceEngine(model=args.model, **engine_form(args))
     try:
         budget = measure(engine, args.tokens, args.requests)
     finally:
