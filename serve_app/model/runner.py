@@ -21,6 +21,7 @@ from serve_app.model.compiled import CompiledForward, compile_forward, compile_u
 from serve_app.model.kernels.decode_kernel import load_decode_kernel
 from serve_app.model.loader import gguf_origin, resolve_model_path
 from serve_app.model.lora import AdapterRows, AdapterSlots, lora_rows, wrap_targets
+from serve_app.model.quant.int4_loading import load_int4_model
 from serve_app.model.quant.quantization import apply_quantization
 from serve_app.model.tokenizer import Tokenizer
 
@@ -100,14 +101,19 @@ class ModelRunner:
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.tokenizer = Tokenizer(self.path, extra_eos_token_ids=eos_ids)
         _quiet_torchao_import()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.path, dtype=self.dtype, attn_implementation=register_attention()
-        ).to(self.device)
-        self.model.eval()
+        gguf = gguf_origin(config.name)
+        # int4 on the CPU builds its 4-bit layers straight from the checkpoint (and the GGUF's blocks).
+        int4 = config.quantization == "int4" and self.device.type == "cpu"
+        built = load_int4_model(self.path, hf_config, self.dtype, register_attention(), gguf) if int4 else None
+        if built is None:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.path, dtype=self.dtype, attn_implementation=register_attention()
+            ).to(self.device)
+            self.model.eval()
+            self.model = apply_quantization(self.model, config.quantization, self.device, config.cache_dir, gguf)
+        else:
+            self.model = built
         self.max_model_len = _context(hf_config, self.model, config.max_model_len)
-        self.model = apply_quantization(
-            self.model, config.quantization, self.device, config.cache_dir, gguf_origin(config.name)
-        )
         self.adapters: AdapterSlots | None = None  # LoRA adapters, where the config names them or their folder
         if config.serves_adapters:
             layers = wrap_targets(self.model, config.max_num_adapters_per_replica, config.max_lora_rank)

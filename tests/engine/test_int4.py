@@ -4,6 +4,9 @@ bytes and less, next tokens close to fp32's, and speculation that keeps the gree
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,10 +18,12 @@ from serve_app import GenerateRequest, InferenceEngine
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.prompts import grounded_chats, make_prompts
 from serve_app.bench.quant_bench import teacher_forced_agreement
+from serve_app.bench.random_model import make_model
 from serve_app.config import DEFAULT_MODEL
 from serve_app.model.loader import gguf_origin
 from serve_app.model.quant.gguf_blocks import Q4_1Weights
 from serve_app.model.quant.int4 import GROUP_SIZE, Int4Linear, Int4Weight, quantize_int4
+from serve_app.model.quant.int4_loading import SafetensorsCheckpoint, load_int4_model
 from serve_app.model.quant.quantization import apply_quantization
 
 
@@ -120,3 +125,71 @@ def test_speculation_on_int4_keeps_its_greedy_tokens(int4_engine: InferenceEngin
 def test_int4_off_the_cpu_is_refused_naming_it(tiny_llama_path: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="quantization: int4 runs on the CPU"):
         apply_quantization(torch.nn.Linear(64, 64), "int4", torch.device("meta"), tmp_path)
+
+
+def test_the_packaged_gguf_loads_its_q4_1_blocks_without_reading_the_float_linear_weights(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoConfig
+
+    read: list[str] = []
+    original = SafetensorsCheckpoint.read
+    monkeypatch.setattr(SafetensorsCheckpoint, "read", lambda self, name: read.append(name) or original(self, name))
+    model = load_int4_model(model_path, AutoConfig.from_pretrained(model_path), torch.float32, "sdpa", gguf_origin(DEFAULT_MODEL))
+    assert model is not None and not [name for name in read if "_proj" in name]
+    assert "model.embed_tokens.weight" in read  # the embedding, and the LM head tied to it, from the float folder
+    blocks = Q4_1Weights(gguf_origin(DEFAULT_MODEL))
+    layer = model.get_submodule("model.layers.7.mlp.gate_proj")
+    assert torch.equal(layer.packed, Int4Linear(blocks.get("model.layers.7.mlp.gate_proj"), None).packed)
+    assert not [name for name, tensor in model.named_parameters() if tensor.is_meta]
+
+
+_MEMORY_PROBE = """
+import sys
+from transformers import LlamaForCausalLM  # the modeling code, imported before the baseline
+from serve_app.config import ModelConfig
+from serve_app.model.runner import ModelRunner
+
+def status(key):
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith(key + ":"))) * 1024
+
+base = status("VmRSS")
+runner = ModelRunner(ModelConfig(name=sys.argv[1], quantization="int4"))
+print(status("VmHWM") - base)
+"""
+
+
+def test_an_int4_load_never_holds_the_float_linear_weights(tmp_path: Path, model_path: Path) -> None:
+    """Memory measured: a fresh process's peak while it loads a model of 396 MiB of float32 linear weights as int4
+    stays below those bytes (loading the float model and quantizing it after peaked at 691 MiB, this way at 294)."""
+    shape = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+             "num_key_value_heads": 4, "tie_word_embeddings": True}
+    folder = make_model(tmp_path / "mid-random", 5, model_path, shape)
+    try:
+        floats = load_file(str(folder / "model.safetensors"))
+        linear_bytes = sum(t.numel() * 4 for name, t in floats.items() if "_proj" in name)
+        del floats
+        probe = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(folder)], capture_output=True, text=True, timeout=300)
+        assert probe.returncode == 0, probe.stderr[-2000:]
+        peak = int(probe.stdout.split()[-1])
+        assert peak < linear_bytes, (peak / 2**20, linear_bytes / 2**20)
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_a_float_checkpoint_is_quantized_layer_by_layer_as_the_loaded_float_model_would_be(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_llama_path)
+    built = load_int4_model(tiny_llama_path, config, torch.float32, "sdpa", None)
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    assert quantize_int4(loaded) > 0
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.inference_mode():
+        torch.testing.assert_close(built(ids).logits, loaded(ids).logits, rtol=0, atol=0)
+    # A checkpoint that is not safetensors is left to the float load.
+    shutil.copytree(tiny_llama_path, tmp_path / "bin")
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    assert load_int4_model(tmp_path / "bin", config, torch.float32, "sdpa", None) is None

@@ -21,6 +21,7 @@ GROUP_SIZE = 32
 # The kernel reads a weight as `(code - 8) * scale + zero`, so a Q4_1 group's zero is its minimum plus 8 scales.
 _CODE_MIDPOINT = 8
 _LEVELS = 15  # codes 0..15
+_ROWS_AT_A_TIME = 1024  # a multiple of the kernel's block of 64 rows
 
 
 @dataclass(frozen=True)
@@ -34,19 +35,32 @@ class Int4Weight:
 
     @staticmethod
     def quantize(weight: torch.Tensor) -> Int4Weight:
-        """`weight` [out, in] quantized per group, each group's codes spanning its minimum to its maximum."""
-        out_features, in_features = weight.shape
-        groups = weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
-        minimums, maximums = groups.amin(dim=-1), groups.amax(dim=-1)
-        scales = ((maximums - minimums) / _LEVELS).clamp(min=1e-10)
-        codes = ((groups - minimums[..., None]) / scales[..., None]).round_().clamp_(0, _LEVELS)
-        return Int4Weight(codes.reshape(out_features, in_features).to(torch.uint8), scales, minimums)
+        """`weight` [out, in] quantized per group, each group's codes spanning its minimum to its maximum (a
+        block of rows at a time, so that a large layer's float temporaries stay small)."""
+        parts = [_quantize_rows(rows) for rows in weight.detach().split(_ROWS_AT_A_TIME)]
+        return Int4Weight(*(torch.cat(tensors) for tensors in zip(*parts)))
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight the codes stand for."""
         out_features, in_features = self.codes.shape
         codes = self.codes.float().reshape(out_features, -1, GROUP_SIZE)
         return (codes * self.scales[..., None] + self.minimums[..., None]).reshape(out_features, in_features)
+
+
+def _quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out_features, in_features = rows.shape
+    groups = rows.float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    minimums, maximums = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((maximums - minimums) / _LEVELS).clamp(min=1e-10)
+    codes = (groups - minimums[..., None]).div_(scales[..., None]).round_().clamp_(0, _LEVELS)
+    return codes.reshape(out_features, in_features).to(torch.uint8), scales, minimums
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """The kernel's packed form of `codes`, a block of rows at a time (it packs rows in blocks of 64, so the
+    blocks' packs laid one after another are the whole's)."""
+    pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+    return torch.cat([pack(rows.int(), 1) for rows in codes.split(_ROWS_AT_A_TIME)])
 
 
 def int4_supported(out_features: int, in_features: int) -> bool:
@@ -60,7 +74,7 @@ class Int4Linear(torch.nn.Module):
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.codes.shape
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.int(), 1))
+        self.register_buffer("packed", _pack(weight.codes))
         zeros = weight.minimums + _CODE_MIDPOINT * weight.scales
         # [in / GROUP_SIZE, out, 2], as the kernel reads them.
         scales_and_zeros = torch.stack([weight.scales, zeros], dim=-1).transpose(0, 1).contiguous()
