@@ -37,13 +37,14 @@ def engine_stats(engine: EngineParts) -> dict[str, int]:
 
 
 def _compile_stats(engine: EngineParts) -> dict[str, int]:
-    """Whether steps run the compiled forward, and its graphs this start loaded from torch's compile
-    caches or compiled."""
+    """Whether steps run the compiled forward, its graphs this start loaded from torch's compile caches or
+    compiled, and whether its fp32 linears run on oneDNN (where timing said it pays on this host)."""
     compiled = engine.runner.compiled
     return {
         "compiled_forward": int(compiled is not None),
         "compile_graphs_loaded": compiled.counts.fx_graph_hits if compiled is not None else 0,
         "compile_graphs_compiled": compiled.counts.fx_graph_misses if compiled is not None else 0,
+        "compiled_linears_on_onednn": int(compiled is not None and compiled.linear_layout == "onednn"),
     }
 
 

@@ -1,7 +1,8 @@
 """The compiled forward (`compile: true`, the default): each decoder layer through `torch.compile`
 (inductor), its attention an opaque custom op (`serve_app::paged_attention`), token counts dynamic;
 embedding, final norm and head stay eager. On the CPU in fp32, every linear layer (the head too) first
-moves its weight into oneDNN's layout (`onednn_linear.py`), as inductor's weight freezing would.
+moves its weight into oneDNN's layout (`onednn_linear.py`), as inductor's weight freezing would, where
+timing both on this host says oneDNN's products are the faster.
 
 Every layer runs the same graph (its weights and its layer number are the graph's inputs), so a
 start traces and compiles one layer, not the whole model: about 10 s cold for the packaged model on
@@ -18,11 +19,12 @@ apart (dynamo's `skip_guard_eval_unsafe`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -30,9 +32,14 @@ from serve_app.kv.storage import Storage
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import LAYER_INDEX, step_context
 from serve_app.model.compile_cache import CompileCacheCounts
-from serve_app.model.kernels.onednn_linear import onednn_supported, pack_linears, restore_linears
+from serve_app.model.kernels.onednn_linear import (
+    BATCH_ROWS, onednn_supported, pack_linears, restore_linears, time_layouts,
+)
 
 logger = logging.getLogger(__name__)
+
+LinearLayout = Literal["onednn", "aten"]  # where a compiled forward's fp32 linears run
+_LAYOUT_RECORD = "linear-layout"  # in the compile cache folder: the layout its first start chose
 
 # (tokens in the step, rows sampled): one decode; a mixed step of decodes and a prefill.
 WARM_UP_SHAPES = ((1, 1), (7, 3))
@@ -46,6 +53,7 @@ class CompiledForward:
     seconds: float
     cache_dir: Path
     counts: CompileCacheCounts
+    linear_layout: LinearLayout
 
 
 def compile_forward(
@@ -63,9 +71,9 @@ def compile_forward(
         "compiling the forward's %d decoder layers (torch.compile, inductor) for %d step shapes, cache %s: the "
         "first start of a configuration compiles, later ones load the cache", len(layers), len(WARM_UP_SHAPES), cache_dir,
     )
-    packed = pack_linears(model) if onednn_supported(storage.device) else 0
-    if packed:
-        logger.info("%d linear layers run on oneDNN, their weights in its layout", packed)
+    linear_layout = recorded_linear_layout(model, layers, storage.device, cache_dir)
+    if linear_layout == "onednn":
+        logger.info("%d linear layers run on oneDNN, their weights in its layout", pack_linears(model))
     compile_layers(layers)
     try:
         # Floats (the attention's scale) as constants: a symbolic float makes dynamo trace the layer twice.
@@ -91,7 +99,39 @@ def compile_forward(
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return model(**inputs)
 
-    return CompiledForward(forward, seconds, cache_dir, counts)
+    return CompiledForward(forward, seconds, cache_dir, counts, linear_layout)
+
+
+def recorded_linear_layout(
+    model: torch.nn.Module, layers: torch.nn.ModuleList, device: torch.device, cache_dir: Path
+) -> LinearLayout:
+    """The layout this configuration's first start chose (`choose_linear_layout`) and recorded beside its
+    compiled graphs, so that every later start runs the graphs it loads, and the same tokens."""
+    record = cache_dir / _LAYOUT_RECORD
+    if record.is_file():
+        return "onednn" if record.read_text().strip() == "onednn" else "aten"
+    layout = choose_linear_layout(model, layers, device)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = record.with_suffix(f".{os.getpid()}")
+    staging.write_text(layout)
+    staging.replace(record)
+    return layout
+
+
+def choose_linear_layout(model: torch.nn.Module, layers: torch.nn.ModuleList, device: torch.device) -> LinearLayout:
+    """`onednn` where oneDNN is here, the model's linears are fp32, and timing them on this host says it pays;
+    else `aten` (`F.linear`)."""
+    linears = [m for m in layers[0].modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
+    if not linears or not onednn_supported(device):
+        return "aten"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    timing = time_layouts(linears, len(layers), head if type(head) is torch.nn.Linear else None)
+    logger.info(
+        "a token's linear products on this host: one row %.1f ms F.linear, %.1f ms oneDNN; %d rows %.1f ms F.linear, "
+        "%.1f ms oneDNN: %s", timing.aten_one_row * 1e3, timing.onednn_one_row * 1e3, BATCH_ROWS,
+        timing.aten_batch * 1e3, timing.onednn_batch * 1e3, "oneDNN" if timing.onednn_pays else "F.linear",
+    )
+    return "onednn" if timing.onednn_pays else "aten"
 
 
 def compile_layers(layers: torch.nn.ModuleList) -> None:

@@ -25,7 +25,8 @@ from serve_app.config import EngineConfig
 from serve_app.kv.view import BatchEntry, KVCacheView
 from serve_app.model.attention import step_context
 from serve_app.model.compiled import WARM_UP_SHAPES
-from serve_app.model.kernels.onednn_linear import OneDnnLinear
+from serve_app.model import compiled as compiled_module
+from serve_app.model.kernels.onednn_linear import LayoutTiming, OneDnnLinear, time_layouts
 from serve_app.model.quant import quantize
 from tests.adapters import build_adapter
 from tests.references import ReferenceModel
@@ -37,21 +38,36 @@ def adapters(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return {name: build_adapter(tiny_llama_path, folder / name, seed) for seed, name in enumerate("xy", start=5)}
 
 
-@pytest.fixture(scope="module", params=["none", "int8", "int4"])
+# fp32 twice: its linears where timing says oneDNN pays, and where it says F.linear does (which one this host
+# picks is its own; each is served as picked).
+_TIMINGS = {"onednn": LayoutTiming(1.0, 0.5, 1.0, 0.5), "aten": LayoutTiming(1.0, 2.0, 1.0, 1.0)}
+
+
+@pytest.fixture(scope="module", params=["fp32-onednn", "fp32-aten", "int8", "int4"])
 def compiled(
-    tiny_llama_path: Path, adapters: dict[str, Path], request: pytest.FixtureRequest
+    tiny_llama_path: Path, adapters: dict[str, Path], request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[InferenceEngine]:
+    quantization, _, layout = request.param.replace("fp32", "none").partition("-")
+    # A cache folder of its own: a configuration's first start records its layout there for later starts.
+    cache_dir = tmp_path_factory.mktemp(f"cache-{request.param}")
     graphs = counters["stats"]["unique_graphs"]
-    engine = InferenceEngine(
-        model=str(tiny_llama_path), compile=True, cache_tokens=2048, max_model_len=512, max_num_batched_tokens=64,
-        max_num_seqs=8, quantization=request.param, lora_paths={name: str(path) for name, path in adapters.items()},
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        if layout:
+            patch.setattr(compiled_module, "time_layouts", lambda *_: _TIMINGS[layout])
+        engine = InferenceEngine(
+            model=str(tiny_llama_path), compile=True, cache_tokens=2048, max_model_len=512, max_num_batched_tokens=64,
+            max_num_seqs=8, quantization=quantization, lora_paths={name: str(path) for name, path in adapters.items()},
+            cache_dir=str(cache_dir),
+        )
     assert counters["stats"]["unique_graphs"] - graphs == len(WARM_UP_SHAPES)  # all compiled before serving
     stats = engine.get_stats()
     assert stats["compiled_forward"] == 1 and stats["compile_graphs_compiled"] == len(WARM_UP_SHAPES)
-    # fp32 linears run on oneDNN (the LoRA-wrapped ones too); int8's and int4's are their own.
+    # fp32 linears on oneDNN where timing chose it (the LoRA-wrapped ones too); int8's and int4's are their own.
     on_onednn = [m for m in engine.runner.model.modules() if isinstance(m, OneDnnLinear)]
-    assert len(on_onednn) == (7 * engine.runner.kv_shape.n_layers + 1 if request.param == "none" else 0)
+    assert engine.runner.compiled.linear_layout == (layout or "aten")
+    assert stats["compiled_linears_on_onednn"] == int(layout == "onednn")
+    assert len(on_onednn) == (7 * engine.runner.kv_shape.n_layers + 1 if layout == "onednn" else 0)
     yield engine
     engine.shutdown()
 
@@ -176,6 +192,8 @@ def test_a_second_start_loads_every_graph_from_the_compile_cache(compiled: Infer
     tokens = list(result.wait(300).token_ids)
     second, _ = _start_in_a_fresh_process(compiled.config)
     assert second["stats"]["compiled_forward"] == 1
+    # The layout the first start chose, read back rather than timed again: the graphs it loads are that layout's.
+    assert second["stats"]["compiled_linears_on_onednn"] == compiled.get_stats()["compiled_linears_on_onednn"]
     assert second["stats"]["compile_graphs_compiled"] == 0
     assert second["stats"]["compile_graphs_loaded"] == len(WARM_UP_SHAPES)
     assert second["tokens"] == tokens
@@ -212,3 +230,18 @@ def test_onednn_linears_give_the_plain_products_and_restore_exactly(tiny_llama_p
     restored = {name: m.weight for name, m in model.named_modules() if type(m) is torch.nn.Linear}
     assert restored.keys() == linears.keys() and not any(isinstance(m, OneDnnLinear) for m in model.modules())
     assert all(torch.equal(restored[name], weight) for name, weight in linears.items())
+
+
+def test_a_start_times_both_layouts_on_the_models_own_weights_and_packs_where_onednn_wins(tiny_llama_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    layers = compiled_module.decoder_layers(model)
+    linears = [m for m in layers[0].modules() if type(m) is torch.nn.Linear]
+    timing = time_layouts(linears, len(layers), model.lm_head)
+    assert min(timing.aten_one_row, timing.onednn_one_row) > 0 and timing.aten_batch > timing.aten_one_row
+    chosen = compiled_module.choose_linear_layout(model, layers, torch.device("cpu"))
+    assert chosen in ("onednn", "aten")
+    # The rule: oneDNN where its ratios to F.linear's at one row and at a batch multiply to under 1.
+    assert LayoutTiming(1.0, 0.8, 1.0, 1.1).onednn_pays and not LayoutTiming(1.0, 1.4, 1.0, 0.93).onednn_pays
+    assert compiled_module.choose_linear_layout(model, layers, torch.device("meta")) == "aten"

@@ -1,8 +1,8 @@
-"""fp32 linear layers on oneDNN for the compiled forward on the CPU: every `nn.Linear` of the model
-(the projections and the LM head) replaced by `OneDnnLinear`, its weight reordered once into oneDNN's
-blocked layout, each product `torch.ops.mkldnn._linear_pointwise`, what inductor's weight freezing
-would have made of it. On this model's shapes it measured 2-2.7x faster than `F.linear` at 64 rows
-and about 3x for the LM head at one row (docs/compile.md).
+"""fp32 linear layers on oneDNN for the compiled forward on the CPU, where they pay on this host: every
+`nn.Linear` of the model (the projections and the LM head) replaced by `OneDnnLinear`, its weight converted
+once to a oneDNN tensor, each product `torch.ops.mkldnn._linear_pointwise`, what inductor's weight freezing
+would have made of it. Whether that beats `F.linear` differs by host, so a start times both on the model's
+own weights (`time_layouts`) and packs only where oneDNN wins (docs/compile.md).
 
 The product is a custom op (`serve_app::onednn_linear`) over a registry of the packed weights, taking
 the weight's id as a 0-d tensor, so that every decoder layer runs one compiled graph, as with int8. The
@@ -12,8 +12,11 @@ sums in another order, so logits differ in the last bits.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -62,6 +65,60 @@ def onednn_supported(device: torch.device) -> bool:
     """Whether linears can run on oneDNN here: a CPU, and torch built with oneDNN (`pack_linears` takes the
     fp32 ones)."""
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+@dataclass(frozen=True)
+class LayoutTiming:
+    """A token's linear products timed on this host in each layout, at one row (one client's decode) and
+    at `BATCH_ROWS` rows (a full batch): seconds for the model's layers' products and its LM head's."""
+
+    aten_one_row: float
+    onednn_one_row: float
+    aten_batch: float
+    onednn_batch: float
+
+    @property
+    def onednn_pays(self) -> bool:
+        """Whether oneDNN's layout wins overall: its two ratios to `F.linear`'s multiply to less than 1 (so a
+        large loss at one row is not bought by a small gain at a batch, nor the other way round)."""
+        return (self.onednn_one_row / self.aten_one_row) * (self.onednn_batch / self.aten_batch) < 1.0
+
+
+BATCH_ROWS = 64
+_TIMED_CALLS = 5  # of each product, the fastest kept
+
+
+@torch.inference_mode()
+def time_layouts(layer_linears: list[torch.nn.Linear], n_layers: int, head: torch.nn.Linear | None) -> LayoutTiming:
+    """A token's products with `F.linear` (MKL's sgemm through aten) and with oneDNN's `_linear_pointwise` on
+    the same weights: one decoder layer's `layer_linears` counted `n_layers` times, and the LM `head`, at one
+    row and at `BATCH_ROWS`; each product's fastest of `_TIMED_CALLS`, the layouts interleaved. Which wins
+    differs by host: on one 2-core AVX-512 host oneDNN ran a 64-row batch 1.7x faster, on another it ran
+    one row 1.4x slower and a batch no faster (docs/compile.md)."""
+    weights = [(linear.weight.detach(), n_layers) for linear in layer_linears]
+    if head is not None:
+        weights.append((head.weight.detach(), 1))
+    seconds = {}
+    for rows in (1, BATCH_ROWS):
+        totals = {"aten": 0.0, "onednn": 0.0}
+        for weight, count in weights:
+            x = torch.randn(rows, weight.shape[1])
+            products = {
+                "aten": functools.partial(torch.nn.functional.linear, x, weight),
+                "onednn": functools.partial(torch.ops.mkldnn._linear_pointwise, x, weight.to_mkldnn(), None, "none", [], ""),
+            }
+            best = dict.fromkeys(products, float("inf"))
+            for _ in range(_TIMED_CALLS + 1):  # the first round warms up
+                for name, product in products.items():
+                    started = time.perf_counter()
+                    product()
+                    best[name] = min(best[name], time.perf_counter() - started)
+            for name in totals:
+                totals[name] += best[name] * count
+        seconds[rows] = totals
+    return LayoutTiming(
+        seconds[1]["aten"], seconds[1]["onednn"], seconds[BATCH_ROWS]["aten"], seconds[BATCH_ROWS]["onednn"]
+    )
 
 
 def pack_linears(model: torch.nn.Module) -> int:
