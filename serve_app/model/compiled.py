@@ -109,7 +109,9 @@ def recorded_linear_layout(
     compiled graphs, so that every later start runs the graphs it loads, and the same tokens."""
     record = cache_dir / _LAYOUT_RECORD
     if record.is_file():
-        return "onednn" if record.read_text().strip() == "onednn" else "aten"
+        layout: LinearLayout = "onednn" if record.read_text().strip() == "onednn" else "aten"
+        logger.info("linear layout %s, as this configuration's first start chose (%s)", layout, record)
+        return layout
     layout = choose_linear_layout(model, layers, device)
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = record.with_suffix(f".{os.getpid()}")
