@@ -102,7 +102,7 @@ class InferenceEngine(Conveniences):
         self.reasoning_parser = reasoning_parser(self.config.model.reasoning_parser, self.tool_format)
         self.reasoning_markers = reasoning_markers(self.reasoning_parser, self.tokenizer)
         self.grammars = GrammarCompiler(
-            self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids, self.config.grammar,
+            self.tokenizer, self.runner.vocab_size, self.tokenizer.eos_token_ids, self.config.grammar,
             harmony=self.reasoning_parser == "openai_gptoss",
         )
         speculative = self.config.speculative

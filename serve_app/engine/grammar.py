@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import xgrammar
 
     from serve_app.model.detokenizer import IncrementalDetokenizer
+    from serve_app.model.tokenizer import Tokenizer
     from serve_app.wire.requests import GenerateRequest
 
 # xgrammar's errors start with a timestamp and a source location; the client needs only the rest.
@@ -59,13 +60,13 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        hf_tokenizer: object,
+        tokenizer: Tokenizer,
         vocab_size: int,
         stop_token_ids: Sequence[int],
         config: GrammarConfig | None = None,
         harmony: bool = False,
     ) -> None:
-        self._hf_tokenizer = hf_tokenizer
+        self._hf_tokenizer = tokenizer.transformers_tokenizer()  # what xgrammar reads the vocabulary from
         self._harmony = harmony  # the model answers in harmony messages: every grammar holds their stream
         self.vocab_size = vocab_size
         self.config = config or GrammarConfig()
@@ -76,7 +77,7 @@ class GrammarCompiler:
             self.config.grammar_compile_threads, thread_name_prefix="grammar-compile", initializer=_yield_to_steps
         )
         self._waiting = threading.BoundedSemaphore(self.config.max_pending_compiles)
-        quote = hf_tokenizer.encode('"', add_special_tokens=False)  # type: ignore[attr-defined]
+        quote = tokenizer.encode('"', add_special_tokens=False)
         self.quote_token: int | None = quote[0] if len(quote) == 1 else None  # closes a JSON string in one token
 
     def _xgrammar(self) -> xgrammar.GrammarCompiler:

@@ -39,11 +39,11 @@ class HarmonyMarkers:
         """The markers of `tokenizer`; ValueError where it lacks one as a single token."""
         ids = {}
         for marker in MARKERS:
-            encoded = tokenizer.hf.encode(marker, add_special_tokens=False)
+            encoded = tokenizer.encode(marker, add_special_tokens=False)
             if len(encoded) != 1:
                 raise ValueError(f"reasoning_parser openai_gptoss: this model's tokenizer has no {marker} token")
             ids[marker] = int(encoded[0])
-        return cls(ids, lambda tokens: tokenizer.hf.decode(tokens, skip_special_tokens=False))
+        return cls(ids, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=False))
 
     def channel_of(self, header: Sequence[int]) -> str | None:
         """The channel a header names (`analysis`, `commentary`, `final`), if it names one."""

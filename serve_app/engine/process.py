@@ -81,7 +81,8 @@ class EngineProcess:
         except EngineProcessError:
             self._stop_process()
             raise
-        self.tokenizer = Tokenizer(Path(ready.model_path))  # the text of the engine's token ids is made here
+        # the text of the engine's token ids is made here, by the tokenizer the core exported (no torch here)
+        self.tokenizer = Tokenizer(Path(ready.model_path), cache_dir=config.model.cache_dir)
         self.max_model_len = ready.max_model_len
         self.created = ready.created
         self.tool_format = ready.tool_format

@@ -67,7 +67,7 @@ class ThinkingTags:
         """The tags of `parser` in `tokenizer`; ValueError where the tokenizer lacks them as single tokens."""
         ids = []
         for tag in _TAGS[parser]:
-            encoded = tokenizer.hf.encode(tag, add_special_tokens=False)
+            encoded = tokenizer.encode(tag, add_special_tokens=False)
             if len(encoded) != 1:
                 raise ValueError(f"reasoning_parser {parser}: this model's tokenizer has no {tag} token")
             ids.append(int(encoded[0]))

@@ -68,13 +68,13 @@ class PromptEncoder:
                     return self.tokenizer.encode_chat(
                         request.messages, add_generation_prompt, request.tools, request.chat_template_kwargs
                     )
-            return list(self.tokenizer.hf.encode(request.prompt, add_special_tokens=add_special_tokens))
+            return self.tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
 
         return await asyncio.to_thread(encode)
 
     async def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each id's token as the vocabulary writes it."""
-        return await asyncio.to_thread(self.tokenizer.hf.convert_ids_to_tokens, list(ids))
+        return await asyncio.to_thread(self.tokenizer.token_strings, list(ids))
 
     async def detokenize(self, ids: Sequence[int]) -> str:
         """`/detokenize`: the text of `ids`, special tokens included (as vLLM's route decodes them)."""

@@ -99,7 +99,7 @@ class ModelRunner:
         generation = GenerationConfig.from_pretrained(self.path) if (self.path / "generation_config.json").is_file() else None
         eos = getattr(generation, "eos_token_id", None) if generation is not None else None
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        self.tokenizer = Tokenizer(self.path, extra_eos_token_ids=eos_ids)
+        self.tokenizer = Tokenizer(self.path, extra_eos_token_ids=eos_ids, cache_dir=config.cache_dir)
         _quiet_torchao_import()
         gguf = gguf_origin(config.name)
         # int4 on the CPU builds its 4-bit layers straight from the checkpoint (and the GGUF's blocks).

@@ -1,4 +1,5 @@
-"""The model's tokenizer and chat template, behind one small class the engine and protocols share."""
+"""The model's tokenizer and chat template, behind one small class the engine and protocols share (loaded from
+transformers' tokenizer exported once, so the processes that only tokenize never import torch)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from serve_app.config import default_cache_dir
+from serve_app.model.tokenizer_export import load_tokenizer_export
 from serve_app.wire.model_card import ToolFormat
 from serve_app.wire.refusals import InvalidRequestError
 
@@ -46,25 +49,50 @@ def template_tool_format(template: str) -> ToolFormat:
 
 
 class Tokenizer:
-    """Wraps a Hugging Face tokenizer: plain encoding, the chat template, decoding, end-of-sequence ids."""
+    """A model's tokenizer as transformers makes it (read from its export, without torch): plain encoding, the chat
+    template, decoding, end-of-sequence ids."""
 
-    def __init__(self, path: Path, extra_eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, path: Path, extra_eos_token_ids: Sequence[int] = (), cache_dir: Path | None = None) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        self.path = path
+        export = load_tokenizer_export(path, default_cache_dir() if cache_dir is None else cache_dir)
+        self._backend = Backend.from_str(export["backend"])
+        self.chat_template: str | dict[str, str] | None = export["chat_template"]
+        self._special_tokens = export["special_tokens"]
+        self._clean_up_spaces = export["clean_up_spaces"]
+        eos = {int(i) for i in extra_eos_token_ids}
+        if export["eos_token_id"] is not None:
+            eos.add(export["eos_token_id"])
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size: int = export["length"]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of a string (with the tokenizer's own special tokens, where asked: as the engine encodes a
+        string prompt)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def token_strings(self, ids: Sequence[int]) -> list[str | None]:
+        """Each id's token as the vocabulary writes it (None for an id outside it)."""
+        return [self._backend.id_to_token(int(i)) for i in ids]
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary, written as the vocabulary writes it."""
+        return self._backend.token_to_id(token)
+
+    def transformers_tokenizer(self) -> Any:
+        """transformers' own tokenizer for this model (importing torch), for libraries that read one: xgrammar."""
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(path)
-        eos = {int(i) for i in extra_eos_token_ids}
-        if self.hf.eos_token_id is not None:
-            eos.add(int(self.hf.eos_token_id))
-        self.eos_token_ids: frozenset[int] = frozenset(eos)
-        self.vocab_size: int = len(self.hf)
-
-    def encode(self, text: str) -> list[int]:
-        """The ids the engine uses for a string prompt (with the tokenizer's own special tokens)."""
-        return list(self.hf.encode(text))
+        return AutoTokenizer.from_pretrained(self.path)
 
     @property
     def tool_format(self) -> ToolFormat:
-        template = self.hf.chat_template
+        template = self.chat_template
         return template_tool_format(template) if isinstance(template, str) else "generic"
 
     def apply_chat_template(
@@ -75,18 +103,33 @@ class Tokenizer:
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The template's text for `messages` (and `tools`, OpenAI's function-tool shape, where it takes them), with
-        `template_kwargs` as the template's further variables (vLLM's `chat_template_kwargs`: `enable_thinking`)."""
+        `template_kwargs` as the template's further variables (vLLM's `chat_template_kwargs`: `enable_thinking`),
+        rendered as transformers' `apply_chat_template` renders it."""
         from jinja2 import TemplateError
+        from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
 
-        if not self.hf.chat_template:
-            raise InvalidRequestError("messages", "this model has no chat template; send a plain prompt instead")
+        template = self._template_for(tools)
+        if not messages:
+            raise InvalidRequestError("messages", "must hold at least one message")
         try:
-            return self.hf.apply_chat_template(
-                list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **(template_kwargs or {}),
+            rendered, _ = render_jinja_template(
+                conversations=[_normalize_chat_messages(list(messages))], tools=tools, chat_template=template,
+                add_generation_prompt=add_generation_prompt, **{**self._special_tokens, **(template_kwargs or {})},
             )
         except TemplateError as error:
             raise InvalidRequestError("messages", f"the model's chat template refuses them: {error}") from None
+        return rendered[0]
+
+    def _template_for(self, tools: list[dict] | None) -> str:
+        """The chat template to render with: the model's one, or of its named ones `tool_use` where tools are given
+        and it has one, else `default` (as transformers chooses)."""
+        template = self.chat_template
+        if isinstance(template, dict):
+            name = "tool_use" if tools is not None and "tool_use" in template else "default"
+            template = template.get(name)
+        if not template:
+            raise InvalidRequestError("messages", "this model has no chat template; send a plain prompt instead")
+        return template
 
     def encode_chat(
         self,
@@ -97,14 +140,13 @@ class Tokenizer:
     ) -> list[int]:
         """Chat messages -> prompt ids through the template (which already holds the special tokens)."""
         text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return self.encode(text, add_special_tokens=False)
 
     def fill_in_the_middle(self, prefix: str, suffix: str) -> str:
         """A prompt asking for the text between `prefix` and `suffix`, in the model's FIM tokens (prefix, suffix,
         middle order, as StarCoder and Qwen-Coder are trained)."""
-        vocab = self.hf.get_vocab()
         for tokens in FIM_TOKENS:
-            if all(token in vocab for token in tokens):
+            if all(self.token_id(token) is not None for token in tokens):
                 fim_prefix, fim_suffix, fim_middle = tokens
                 return f"{fim_prefix}{prefix}{fim_suffix}{suffix}{fim_middle}"
         raise InvalidRequestError("suffix", "this model has no fill-in-the-middle tokens, so it cannot insert text")
@@ -134,5 +176,16 @@ class Tokenizer:
         head = self.encode_chat(prefix.messages, False, request.tools, request.chat_template_kwargs)
         return next((i for i, (a, b) in enumerate(zip(head, prompt_ids)) if a != b), min(len(head), len(prompt_ids)))
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' `clean_up_tokenization`: the spaces WordPiece-style decoding leaves before punctuation and
+    English contractions."""
+    for spaced, joined in _CLEAN_UPS:
+        text = text.replace(spaced, joined)
+    return text
+
+
+_CLEAN_UPS = (
+    (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"),
+    (" 've", "'ve"), (" 're", "'re"),
+)

@@ -17,6 +17,7 @@ from serve_app.bench.idle import wait_idle
 from serve_app.config import EngineConfig
 from serve_app.engine.grammar import CompileAbandoned, GrammarCompiler
 from serve_app.engine.process import EngineProcess
+from serve_app.model.tokenizer import Tokenizer
 from serve_app.wire.calls import GetStats
 from serve_app.wire.model_card import GrammarConfig
 from serve_app.wire.refusals import InvalidRequestError
@@ -38,9 +39,7 @@ def _nested(depth: int) -> dict:
 
 @pytest.fixture(scope="module")
 def grammars(tiny_llama_path: Path) -> Iterator[GrammarCompiler]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    tokenizer = Tokenizer(tiny_llama_path)
     compiler = GrammarCompiler(tokenizer, 49152, [0], GrammarConfig(grammar_cache_bytes=8 * 2**20))
     yield compiler
     compiler.shutdown()
@@ -70,9 +69,7 @@ def test_real_schemas_within_the_bounds_compile(grammars: GrammarCompiler) -> No
 
 
 def test_a_slow_compile_is_refused_at_its_deadline_and_a_gone_request_abandons_its_own(tiny_llama_path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    tokenizer = Tokenizer(tiny_llama_path)
     config = GrammarConfig(grammar_compile_timeout_s=0.05, grammar_compile_threads=1, max_grammar_bytes=65536)
     compiler = GrammarCompiler(tokenizer, 49152, [0], config)
     try:

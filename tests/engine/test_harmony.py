@@ -38,13 +38,13 @@ def harmony(tiny_harmony_path: Path) -> Iterator[InferenceEngine]:
 
 def written(engine: InferenceEngine, answer: str, keep_headers: bool) -> StreamDelta:
     """`answer` as if the model wrote it, token by token, through a request's task and its output processor."""
-    prompt = engine.tokenizer.hf.encode(engine.tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
+    prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
     outputs: list[CoreOutput] = []
     thinking = engine.reasoning_markers.span(prompt, None, keep_headers)  # type: ignore[union-attr]
     output = TaskOutput(lambda _, published: outputs.append(published), thinking=thinking)
     sampling = TaskSampling(SamplingParams(temperature=0), engine.tokenizer.eos_token_ids)
     task = Task(0, len(prompt), list(prompt), 200, sampling, output, TaskAdmission(""))
-    for token in engine.tokenizer.hf.encode(answer, add_special_tokens=False):
+    for token in engine.tokenizer.encode(answer, add_special_tokens=False):
         accepted = task.accept(token, 4096)
         task.publish(accepted)
         if accepted.finish_reason is not None:
@@ -65,7 +65,7 @@ def test_the_analysis_is_the_reasoning_and_the_final_message_the_answer(harmony:
     result = written(harmony, f"{THOUGHT}<|start|>assistant<|channel|>final<|message|>It is four.<|return|>", False)
     assert result.reasoning == "Two and two make four." and result.text == "It is four."
     assert result.finish_reason == "stop"
-    assert result.usage.reasoning_tokens == len(harmony.tokenizer.hf.encode(THOUGHT, add_special_tokens=False))
+    assert result.usage.reasoning_tokens == len(harmony.tokenizer.encode(THOUGHT, add_special_tokens=False))
 
 
 def test_a_tool_mode_answer_keeps_its_headers_and_reads_back_as_a_call(harmony: InferenceEngine) -> None:
@@ -83,22 +83,22 @@ def run(engine: InferenceEngine, **fields) -> RequestOutput:
 
 def test_without_thinking_the_grammar_asks_for_the_final_message_at_once(harmony: InferenceEngine) -> None:
     result = run(harmony, max_tokens=40, structured_output=StructuredOutput(json=SCHEMA), thinking_token_budget=0)
-    hf, ids = harmony.tokenizer.hf, result.token_ids
-    channel, message = hf.convert_tokens_to_ids(["<|channel|>", "<|message|>"])
+    tokenizer, ids = harmony.tokenizer, result.token_ids
+    channel, message = tokenizer.token_id("<|channel|>"), tokenizer.token_id("<|message|>")
     assert ids[0] == channel and message in ids  # the markers, as tokens
-    assert hf.decode(ids[: ids.index(message) + 1], skip_special_tokens=False) == "<|channel|>final<|message|>"
+    assert tokenizer.decode(ids[: ids.index(message) + 1], skip_special_tokens=False) == "<|channel|>final<|message|>"
     assert result.finish_reason == "stop" and json.loads(result.text)["a"] in ("x", "y") and result.reasoning == ""
 
 
 def test_a_budget_closes_the_analysis_and_the_final_message_holds_the_answer(harmony: InferenceEngine) -> None:
     result = run(harmony, max_tokens=60, structured_output=StructuredOutput(json=SCHEMA), thinking_token_budget=4)
-    hf, ids = harmony.tokenizer.hf, result.token_ids
-    raw = hf.decode(ids, skip_special_tokens=False)
+    tokenizer, ids = harmony.tokenizer, result.token_ids
+    raw = tokenizer.decode(ids, skip_special_tokens=False)
     assert result.finish_reason == "stop" and json.loads(result.text)["a"] in ("x", "y")
     assert raw.startswith("<|channel|>analysis<|message|>")  # this model thinks first: four tokens, then `<|end|>`
-    message, end = hf.convert_tokens_to_ids(["<|message|>", "<|end|>"])
+    message, end = tokenizer.token_id("<|message|>"), tokenizer.token_id("<|end|>")
     body = ids[ids.index(message) + 1 : ids.index(end)]
-    assert len(body) == 4 and result.reasoning == hf.decode(body)
+    assert len(body) == 4 and result.reasoning == tokenizer.decode(body, skip_special_tokens=False)
     assert raw.endswith(f"<|channel|>final<|message|>{result.text}<|return|>")
 
 

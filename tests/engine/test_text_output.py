@@ -46,7 +46,7 @@ def test_detokenizer_keeps_special_tokens_when_asked(model_path: Path) -> None:
     kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
     skipped = IncrementalDetokenizer(tokenizer)
     shown = "".join(kept.push(i) for i in ids) + kept.flush()
-    assert shown == tokenizer.decode(ids, skip_special_tokens=False) and shown.endswith(tokenizer.hf.decode([end]))
+    assert shown == tokenizer.decode(ids, skip_special_tokens=False) and shown.endswith(tokenizer.decode([end], skip_special_tokens=False))
     assert "".join(skipped.push(i) for i in ids) + skipped.flush() == "Hi"
 
 
@@ -58,7 +58,7 @@ def test_suffix_asks_for_the_middle_in_the_models_fim_tokens(model_path: Path, t
     hf.save_pretrained(tmp_path)
     tokenizer = Tokenizer(tmp_path)
     ids = tokenizer.prompt_ids(GenerateRequest(prompt="def f(", suffix="return x"))
-    fim = [tokenizer.hf.convert_tokens_to_ids(t) for t in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")]
+    fim = [tokenizer.token_id(t) for t in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")]
     assert ids[0] == fim[0] and ids[-1] == fim[2] and fim[1] in ids
     assert tokenizer.decode(ids, skip_special_tokens=True) == "def f(return x"
     with pytest.raises(RequestRefused, match="fill-in-the-middle"):
