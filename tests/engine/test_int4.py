@@ -24,6 +24,7 @@ from serve_app.model.loader import gguf_origin
 from serve_app.model.quant.gguf_blocks import Q4_1Weights
 from serve_app.model.quant.int4 import GROUP_SIZE, Int4Linear, Int4Weight, quantize_int4
 from serve_app.model.quant.int4_loading import SafetensorsCheckpoint, load_int4_model
+from serve_app.model.quant.int8_embedding import Int8Embedding
 from serve_app.model.quant.quantization import apply_quantization
 
 
@@ -90,6 +91,12 @@ def test_the_engine_serves_the_gguf_blocks_in_an_eighth_of_the_float_weights_byt
         "model.embed_tokens.weight"].numel() * 4
     int4_bytes = sum(_tensor_bytes(m) for m in layers.values())
     assert int4_bytes < float_bytes / 6, (int4_bytes, float_bytes)  # 4 bits and a bfloat16 scale and zero per 32
+    # The token embedding is the file's 8-bit table (a byte and a 32nd of a float16 a value), looked up exactly.
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, Int8Embedding)
+    assert _tensor_bytes(embedding) == floats["model.embed_tokens.weight"].numel() * (1 + 2 / 32)
+    ids = torch.tensor([[0, 1, 2, 9690, 49151]])
+    assert torch.equal(embedding(ids), torch.nn.functional.embedding(ids, floats["model.embed_tokens.weight"]))
 
 
 def test_the_int4_engine_decodes_and_its_next_tokens_agree_with_fp32(
@@ -137,7 +144,9 @@ def test_the_packaged_gguf_loads_its_q4_1_blocks_without_reading_the_float_linea
     monkeypatch.setattr(SafetensorsCheckpoint, "read", lambda self, name: read.append(name) or original(self, name))
     model = load_int4_model(model_path, AutoConfig.from_pretrained(model_path), torch.float32, "sdpa", gguf_origin(DEFAULT_MODEL))
     assert model is not None and not [name for name in read if "_proj" in name]
-    assert "model.embed_tokens.weight" in read  # the embedding, and the LM head tied to it, from the float folder
+    # The LM head tied to the embedding is quantized from the float folder's table; the table itself stays the
+    # GGUF's 8-bit blocks.
+    assert read.count("model.embed_tokens.weight") == 1 and isinstance(model.get_input_embeddings(), Int8Embedding)
     blocks = Q4_1Weights(gguf_origin(DEFAULT_MODEL))
     layer = model.get_submodule("model.layers.7.mlp.gate_proj")
     assert torch.equal(layer.packed, Int4Linear(blocks.get("model.layers.7.mlp.gate_proj"), None).packed)

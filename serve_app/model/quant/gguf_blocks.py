@@ -1,5 +1,5 @@
 """A GGUF file's Q4_1 linear weights as they are stored, for `quantization: int4`: each 32-weight block's
-fp16 scale and minimum and its 4-bit codes, read without dequantizing, under the module paths of the
+fp16 scale and minimum and its 4-bit codes, read without dequantizing (and its Q8_0 token embedding, kept so), under the module paths of the
 transformers model made from the same file (`model.layers.N.self_attn.q_proj`, ...). llama.cpp stores a
 Llama's query and key rows permuted for its rotary layout; they are put back in transformers' order, as
 transformers' own GGUF loader does."""
@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from serve_app.model.quant.int4 import GROUP_SIZE, Int4Weight
+from serve_app.model.quant.int8_embedding import Int8Embedding
 
 # llama.cpp's per-block tensor names -> the transformers decoder layer's module names.
 _LAYER_MODULES = {
@@ -26,6 +27,7 @@ _LAYER_MODULES = {
 # Architectures whose query and key rows llama.cpp's converter permutes (transformers' LlamaTensorProcessor).
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
 _Q4_1_BLOCK_BYTES = 20  # fp16 scale, fp16 minimum, 16 bytes of codes (two per byte)
+_Q8_0_BLOCK_BYTES = 34  # fp16 scale, 32 int8 codes
 
 
 class Q4_1Weights:
@@ -40,7 +42,10 @@ class Q4_1Weights:
         self._heads = _field(reader, f"{self._architecture}.attention.head_count")
         self._kv_heads = _field(reader, f"{self._architecture}.attention.head_count_kv") or self._heads
         self._tensors = {}  # module path -> (llama.cpp's tensor kind, the tensor)
+        self._embedding = None  # the token embedding, where the file holds it as Q8_0
         for tensor in reader.tensors:
+            if tensor.name == "token_embd.weight" and tensor.tensor_type == GGMLQuantizationType.Q8_0:
+                self._embedding = tensor
             parts = tensor.name.split(".")  # blk.N.attn_q.weight
             if tensor.tensor_type != GGMLQuantizationType.Q4_1 or len(parts) != 4 or parts[0] != "blk":
                 continue
@@ -59,6 +64,17 @@ class Q4_1Weights:
         if self._architecture in _PERMUTED_ARCHITECTURES and kind in ("attn_q", "attn_k"):
             weight = _unpermute_rows(weight, self._heads if kind == "attn_q" else self._kv_heads)
         return weight
+
+
+    def embedding(self, dtype: torch.dtype) -> Int8Embedding | None:
+        """The token embedding as its Q8_0 blocks, looked up in `dtype`, or None where the file holds it otherwise."""
+        if self._embedding is None:
+            return None
+        data = np.asarray(self._embedding.data)
+        blocks = data.reshape(data.shape[0], -1, _Q8_0_BLOCK_BYTES)
+        scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(data.shape[0], -1)
+        return Int8Embedding(torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales)), dtype)
 
 
 def _field(reader, key: str):

@@ -1,7 +1,8 @@
 """Building a model for `quantization: int4` without its float linear weights ever in memory: the model is
 made with empty (meta) parameters; its other tensors (embeddings, norms, biases) are read from the safetensors
 checkpoint; then each linear layer the kernel takes becomes an `Int4Linear`, from the GGUF's Q4_1 blocks where
-the model was made from a GGUF (`gguf_blocks.py`), else from its float weight read alone and quantized. The
+the model was made from a GGUF (`gguf_blocks.py`), else from its float weight read alone and quantized; a GGUF's
+8-bit token embedding stays in its blocks (`Int8Embedding`). The
 peak is the 4-bit model and one float layer, not the float model (loading it and quantizing after holds all
 of its float weights at once)."""
 
@@ -16,6 +17,7 @@ import torch
 
 from serve_app.model.quant.gguf_blocks import Q4_1Weights
 from serve_app.model.quant.int4 import Int4Weight, int4_supported, quantize_int4
+from serve_app.model.surgery import replace_modules
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +84,16 @@ def load_int4_model(
     if missing:
         logger.info("int4: %s lacks %s in its safetensors; loading the float model to quantize it", folder, missing[:3])
         return None
+    blocks = Q4_1Weights(gguf) if gguf is not None else None
+    embedding = blocks.embedding(dtype) if blocks is not None else None
+    embedding_path = next(path for path, module in model.named_modules() if module is model.get_input_embeddings())
+    if embedding is not None:  # the GGUF's 8-bit table, not the float one (an LM head tied to it reads that)
+        quantized.add(f"{embedding_path}.weight")
     floats = {name: checkpoint.read(stored_name(name)).to(dtype) for name in names if name not in quantized}
     model.load_state_dict(floats, strict=False, assign=True)
-    quantize_int4(model, _weights_for(Q4_1Weights(gguf) if gguf is not None else None, checkpoint, floats, stored_name))
+    quantize_int4(model, _weights_for(blocks, checkpoint, floats, stored_name))
+    if embedding is not None:
+        replace_modules(model, lambda path, _: embedding if path == embedding_path else None)
     still_empty = [name for name, tensor in model.named_parameters(remove_duplicate=False) if tensor.is_meta]
     if still_empty:
         raise RuntimeError(f"int4: no tensors loaded for {still_empty[:3]}")
