@@ -16,6 +16,7 @@ from serve_app.engine.activity_log import ActivityLog, log_start
 from serve_app.engine.cached_kv import CachedKV
 from serve_app.engine.conveniences import Conveniences
 from serve_app.engine.delta_stream import DeltaListener, DeltaStream
+from serve_app.engine.freed_memory import give_back_freed_memory
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.intake import TaskIntake, reasoning_markers, reasoning_parser
 from serve_app.engine.loop import EngineLoop
@@ -134,6 +135,7 @@ class InferenceEngine(Conveniences):
         cache = build_kv_cache(self.config.cache, runner.kv_shape, runner.max_model_len, runner.device, activations)
         if self.config.model.compile:
             runner.compile(cache.storage)
+        give_back_freed_memory()  # what loading and compiling freed
         return runner, cache
 
     def _max_sampled_rows(self) -> int:
