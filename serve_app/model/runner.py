@@ -104,10 +104,11 @@ class ModelRunner:
         gguf = gguf_origin(config.name)
         # int4 on the CPU builds its 4-bit layers straight from the checkpoint (and the GGUF's blocks).
         int4 = config.quantization == "int4" and self.device.type == "cpu"
-        built = load_int4_model(self.path, hf_config, self.dtype, register_attention(), gguf) if int4 else None
+        attention = register_attention()
+        built = load_int4_model(self.path, hf_config, self.dtype, attention, gguf) if int4 else None
         if built is None:
             self.model = AutoModelForCausalLM.from_pretrained(
-                self.path, dtype=self.dtype, attn_implementation=register_attention()
+                self.path, dtype=self.dtype, attn_implementation=attention
             ).to(self.device)
             self.model.eval()
             self.model = apply_quantization(self.model, config.quantization, self.device, config.cache_dir, gguf)
