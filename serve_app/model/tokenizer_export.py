@@ -78,15 +78,26 @@ def load_tokenizer_export(folder: Path, cache_dir: Path) -> TokenizerExport:
 
 
 def _tokenizer_key(folder: Path) -> str:
-    """A digest of the files that make `folder`'s tokenizer (all but the weights) and of transformers' version."""
+    """A digest of what makes `folder`'s tokenizer and of transformers' version: its files but the weights, and
+    of the model's config only what transformers picks a tokenizer class by (models that differ in nothing
+    else share one export)."""
     digest = hashlib.sha256(importlib.metadata.version("transformers").encode())
     candidates = [*folder.iterdir(), *folder.glob(f"{_NAMED_TEMPLATES}/*")]
     for path in sorted(p for p in candidates if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)):
         if path.name.startswith("."):
             continue  # markers and locks, not the model's
         digest.update(str(path.relative_to(folder)).encode() + b"\0")
-        digest.update(path.read_bytes())
+        digest.update(_tokenizer_fields(path.read_bytes()) if path.name == "config.json" else path.read_bytes())
     return digest.hexdigest()[:32]
+
+
+def _tokenizer_fields(config: bytes) -> bytes:
+    """A model config's fields that AutoTokenizer reads: its `model_type` and `tokenizer_class`."""
+    try:
+        fields = json.loads(config)
+    except ValueError:
+        return config
+    return json.dumps([fields.get("model_type"), fields.get("tokenizer_class")]).encode()
 
 
 def _export_in_child(folder: Path, target: Path) -> None:
