@@ -153,7 +153,8 @@ class Ingress:
         clients = {}
         for model_id, engine in engines.items():
             model = app_config.model(model_id).engine().model  # its tokenizer, prepared on this node
-            tokenizer = Tokenizer(resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir), cache_dir=model.cache_dir)
+            folder = resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir)
+            tokenizer = Tokenizer(folder, cache_dir=model.cache_dir)
             prompts = PromptEncoder(tokenizer)
             clients[model_id] = RayEngineClient(engine, board, prompts)
         replica = serve.get_replica_context().replica_id.unique_id

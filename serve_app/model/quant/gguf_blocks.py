@@ -1,8 +1,8 @@
 """A GGUF file's Q4_1 linear weights as they are stored, for `quantization: int4`: each 32-weight block's
-fp16 scale and minimum and its 4-bit codes, read without dequantizing (and its Q8_0 token embedding, kept so), under the module paths of the
-transformers model made from the same file (`model.layers.N.self_attn.q_proj`, ...). llama.cpp stores a
-Llama's query and key rows permuted for its rotary layout; they are put back in transformers' order, as
-transformers' own GGUF loader does."""
+fp16 scale and minimum and its 4-bit codes, read without dequantizing (and its Q8_0 token embedding, kept so),
+under the module paths of the transformers model made from the same file (`model.layers.N.self_attn.q_proj`,
+...). llama.cpp stores a Llama's query and key rows permuted for its rotary layout; they are put back in
+transformers' order, as transformers' own GGUF loader does."""
 
 from __future__ import annotations
 
@@ -64,7 +64,6 @@ class Q4_1Weights:
         if self._architecture in _PERMUTED_ARCHITECTURES and kind in ("attn_q", "attn_k"):
             weight = _unpermute_rows(weight, self._heads if kind == "attn_q" else self._kv_heads)
         return weight
-
 
     def embedding(self, dtype: torch.dtype) -> Int8Embedding | None:
         """The token embedding as its Q8_0 blocks, looked up in `dtype`, or None where the file holds it otherwise."""

@@ -2,9 +2,8 @@
 made with empty (meta) parameters; its other tensors (embeddings, norms, biases) are read from the safetensors
 checkpoint; then each linear layer the kernel takes becomes an `Int4Linear`, from the GGUF's Q4_1 blocks where
 the model was made from a GGUF (`gguf_blocks.py`), else from its float weight read alone and quantized; a GGUF's
-8-bit token embedding stays in its blocks (`Int8Embedding`). The
-peak is the 4-bit model and one float layer, not the float model (loading it and quantizing after holds all
-of its float weights at once)."""
+8-bit token embedding stays in its blocks (`Int8Embedding`). The peak is the 4-bit model and one float layer,
+not the float model (loading it and quantizing after holds all of its float weights at once)."""
 
 from __future__ import annotations
 

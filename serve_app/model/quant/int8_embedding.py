@@ -23,7 +23,3 @@ class Int8Embedding(torch.nn.Module):
         codes = self.codes[ids].to(torch.float32).unflatten(-1, (-1, GROUP_SIZE))
         rows = codes * self.scales[ids].to(torch.float32).unsqueeze(-1)
         return rows.flatten(-2).to(self.dtype)
-
-    def dequantize(self) -> torch.Tensor:
-        """The whole table in float32."""
-        return self.forward(torch.arange(self.num_embeddings))
