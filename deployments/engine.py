@@ -18,11 +18,11 @@ from deployments.placement import Placement
 from deployments.ray_metrics import RayMetrics
 from serve_app.engine.core_client import answer_or_refusal, open_stream
 from serve_app.engine.process import EngineProcess, EngineProcessError
+from serve_app.http.engine_client import model_card
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import ENGINE_METRICS, engine_samples
 from serve_app.routing.page_reporter import PageReporter
 from serve_app.wire.calls import EngineCall
-from serve_app.wire.model_card import ModelInfo
 from serve_app.wire.outputs import StreamDelta
 from serve_app.wire.page_events import PageEventBatch
 from serve_app.wire.refusals import RequestRefused
@@ -55,11 +55,7 @@ class EngineDeployment:
             child="deployments.engine_child",
         )
         engine = self.engine
-        self.info = ModelInfo(
-            llm_config.model_id, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size, engine.hidden_size,
-            config.grammar,
-            engine.reasoning_parser,
-        )
+        self.info = model_card(engine, llm_config.model_id, config.grammar)
         self._page_size = config.cache.page_size
         self._board = board
         replica = serve.get_replica_context().replica_id

@@ -15,7 +15,7 @@ from serve_app.config import ServerConfig
 from serve_app.engine.engine import InferenceEngine
 from serve_app.http.app import create_api
 from serve_app.http.context import ServerContext
-from serve_app.http.engine_client import LocalEngineClient
+from serve_app.http.engine_client import LocalEngineClient, model_card
 from serve_app.http.served_models import ServedModels
 from serve_app.http.tenants import TenantDirectory
 
@@ -67,7 +67,7 @@ def engine_server(
     client: type[LocalEngineClient] = LocalEngineClient,
 ) -> Iterator[InProcessServer]:
     """The server's HTTP app over an in-process engine (served as MODEL), stopped on leaving."""
-    context = ServerContext(ServedModels({MODEL: client(engine, MODEL)}), config or ServerConfig())
+    context = ServerContext(ServedModels({MODEL: client(engine, model_card(engine, MODEL, engine.config.grammar))}), config or ServerConfig())
     if tenants is not None:
         context.tenants = tenants
     server = InProcessServer(create_api(context))

@@ -143,6 +143,32 @@ class TwoNodeCluster:
             env={**environ, "SERVE_APP_CACHE_DIR": str(self.worker_cache)},
         )
 
+    def state(self, script: str, timeout: float = 60) -> str:
+        """What `script` (Python, given the dashboard's address as `sys.argv[1]`) prints, run as a process that
+        joins this cluster with its token, as a user's would."""
+        listed = subprocess.run(
+            [sys.executable, "-c", script, self.dashboard], capture_output=True, text=True, timeout=timeout,
+            env={**users_environment(os.environ), **self.env}, check=True,
+        )
+        return listed.stdout.strip().splitlines()[-1]
+
+    def wait_for_both_nodes(self, timeout: float = 120) -> None:
+        """Until the second raylet has joined: both nodes alive in Ray's state."""
+        script = (
+            "import sys, time; from ray.util.state import list_nodes\n"
+            "def alive():\n"
+            "    try:\n"
+            "        return len(list_nodes(address=sys.argv[1], filters=[('state', '=', 'ALIVE')]))\n"
+            "    except Exception:  # the dashboard not up yet\n"
+            "        return 0\n"
+            f"deadline = time.monotonic() + {timeout}\n"
+            "while alive() < 2:\n"
+            "    assert time.monotonic() < deadline, 'the second node did not join'\n"
+            "    time.sleep(0.5)\n"
+            "print('joined')"
+        )
+        self.state(script, timeout + 30)
+
     def serve_cli(self, *args: str, token: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
         """A `serve` command against this cluster's dashboard, in a user's environment with the cluster's
         token (or the one in `token`)."""

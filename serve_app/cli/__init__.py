@@ -1,5 +1,5 @@
-"""The `serve-app` console script: `serve` (the app, as `serve run` runs it), `prepare-model` and the `bench`
-commands (one module each, in `bench_commands`)."""
+"""The `serve-app` console script: `serve` (the app, as `serve run` runs it), `batch` (an offline batch on Ray
+Data), `prepare-model` and the `bench` commands (one module each, in `bench_commands`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import logging
 
 from serve_app.cli.app_commands import add_prepare_model, add_serve
+from serve_app.cli.batch_command import add_batch
 from serve_app.cli.bench_commands import add_bench
 from serve_app.cli.parsing import Parser
 
@@ -15,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="serve-app", description="An LLM inference server and its tools.")
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve(commands)
+    add_batch(commands)
     add_prepare_model(commands)
     add_bench(commands)
     return parser

@@ -155,6 +155,10 @@ class EngineProcess:
                 raise EngineProcessError(self._exit_reason)
             return dict(self._health.stats)
 
+    def get_stats(self) -> dict[str, int]:
+        """`latest_stats`, as `InferenceEngine.get_stats` answers in process."""
+        return self.latest_stats
+
     @property
     def alive(self) -> bool:
         return self._process.poll() is None and all(reader.is_alive() for reader in self._readers)

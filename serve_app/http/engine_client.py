@@ -1,4 +1,5 @@
-"""How the HTTP layer reaches an engine: the `EngineClient` interface, and `LocalEngineClient` in process.
+"""How the HTTP layer reaches an engine: the `EngineClient` interface, and `LocalEngineClient` with no Ray handle
+between (an engine in process, or the engine process of the client's own actor).
 
 Serve's ingress has its own client made of Ray handles (`deployments.ingress.RayEngineClient`).
 Either way an engine's refusal arrives as a `RequestRefused` and leaves the client as a
@@ -9,19 +10,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from serve_app.engine.core_client import answer_or_refusal, open_stream
+from serve_app.engine.core_client import CoreClient, answer_or_refusal, open_stream
 from serve_app.http.prompt_encoder import PromptEncoder
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.wire.calls import EngineCall
-from serve_app.wire.model_card import ModelInfo
+from serve_app.wire.model_card import GrammarConfig, ModelInfo
 from serve_app.wire.outputs import StreamDelta
 from serve_app.wire.refusals import RequestRefused
 from serve_app.wire.requests import EncodedRequest
-
-if TYPE_CHECKING:
-    from serve_app.engine.engine import InferenceEngine
 
 T = TypeVar("T")
 
@@ -68,17 +66,22 @@ def unwrap(answer: T | RequestRefused) -> T:
     return answer
 
 
-class LocalEngineClient(EngineClient):
-    """An `InferenceEngine` in this process."""
+def model_card(engine: CoreClient, served_name: str, grammar: GrammarConfig) -> ModelInfo:
+    """The card of the model `engine` serves as `served_name`, with its engine's grammar bounds."""
+    return ModelInfo(
+        served_name, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size, engine.hidden_size,
+        grammar, engine.reasoning_parser,
+    )
 
-    def __init__(self, engine: InferenceEngine, served_name: str) -> None:
+
+class LocalEngineClient(EngineClient):
+    """An engine core reached directly: an `InferenceEngine` in this process, or an `EngineProcess` of this
+    process's own."""
+
+    def __init__(self, engine: CoreClient, info: ModelInfo) -> None:
         self.engine = engine
         self.prompts = PromptEncoder(engine.tokenizer)
-        self.info = ModelInfo(
-            served_name, engine.max_model_len, engine.created, engine.tool_format, engine.vocab_size, engine.hidden_size,
-            engine.config.grammar,
-            engine.reasoning_parser,
-        )
+        self.info = info
 
     async def stream(self, request: EncodedRequest) -> AsyncIterator[StreamDelta]:
         try:

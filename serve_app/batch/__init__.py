@@ -1,0 +1,1 @@
+"""Offline batches: OpenAI's batch file format, answering its lines, the results file."""
