@@ -36,7 +36,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     board = ReplicaBoard.bind()
     engines = {
         llm.model_id: EngineDeployment.options(name=llm.deployment_name, **llm.serve_options()).bind(
-            llm.model_dump(mode="json", exclude_defaults=True), board, server.otlp_traces_endpoint
+            llm.model_dump(mode="json", exclude_defaults=True), board, server.model_dump(mode="json", exclude_defaults=True),
+            server.otlp_traces_endpoint,
         )
         for llm in config.llm_configs
     }

@@ -1,5 +1,6 @@
 """EngineDeployment: one model's engine per replica (one deployment per `llm_configs` entry), in its own
-process, streaming deltas through an async generator."""
+process, streaming deltas through an async generator to the ingress, and answering whole OpenAI requests
+(`chat`, `completions`) to Ray Data LLM's `ServeDeploymentProcessorConfig`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -18,7 +20,10 @@ from deployments.placement import Placement
 from deployments.ray_metrics import RayMetrics
 from serve_app.engine.core_client import answer_or_refusal, open_stream
 from serve_app.engine.process import EngineProcess, EngineProcessError
-from serve_app.http.engine_client import model_card
+from serve_app.batch.answering import answer_request
+from serve_app.config import ServerConfig
+from serve_app.http.engine_client import LocalEngineClient, model_card
+from serve_app.http.protocols.limits import RequestLimits
 from serve_app.metrics import tracing
 from serve_app.metrics.catalog import ENGINE_METRICS, engine_samples
 from serve_app.routing.page_reporter import PageReporter
@@ -34,6 +39,8 @@ REPORT_EVERY_S = 0.1
 HEARTBEAT_S = 1.0
 # How often the engine's state is copied into Ray's metrics (Ray exports them every few seconds).
 RAY_METRICS_EVERY_S = 2.0
+# The keys Ray Data LLM's serve-deployment stage adds to every request it sends: its bookkeeping, not the API's.
+RAY_DATA_KEYS = ("request_id", "idx_in_batch")
 
 
 @serve.deployment(name="EngineDeployment", max_ongoing_requests=256, logging_config={"enable_access_log": False})
@@ -45,7 +52,9 @@ class EngineDeployment:
     event loop: every exchange with the engine process is awaited.
     """
 
-    def __init__(self, llm: dict[str, Any], board: DeploymentHandle, traces_endpoint: str | None = None) -> None:
+    def __init__(
+        self, llm: dict[str, Any], board: DeploymentHandle, server: dict[str, Any], traces_endpoint: str | None = None
+    ) -> None:
         llm_config = LLMConfig.model_validate(llm)
         tracing.configure(traces_endpoint, "serve-app-engine")
         config = llm_config.engine()  # on this node: its cache folder and device, unless the args set them
@@ -56,6 +65,8 @@ class EngineDeployment:
         )
         engine = self.engine
         self.info = model_card(engine, llm_config.model_id, config.grammar)
+        self._direct = LocalEngineClient(engine, self.info)  # for whole requests, held to the ingress's limits
+        self._limits = RequestLimits.from_config(ServerConfig.model_validate(server))
         self._page_size = config.cache.page_size
         self._board = board
         replica = serve.get_replica_context().replica_id
@@ -98,6 +109,27 @@ class EngineDeployment:
             if span is not None:
                 span.set_attribute("gen_ai.usage.output_tokens", tokens)
                 span.end()
+
+    async def chat(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """An OpenAI chat completion request (a dict, or a pydantic model of one) answered whole, as the one item
+        of a stream: Ray Data LLM's `ServeDeploymentProcessorConfig` with method `chat`. A request the API refuses
+        raises ValueError with the API's message (Ray Data LLM's row error, with `should_continue_on_error`)."""
+        yield await self._answer("/v1/chat/completions", request)
+
+    async def completions(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """An OpenAI completion request answered whole, as `chat` answers a chat."""
+        yield await self._answer("/v1/completions", request)
+
+    async def _answer(self, url: str, request: Any) -> dict[str, Any]:
+        body = request.model_dump(exclude_unset=True) if isinstance(request, BaseModel) else request
+        if isinstance(body, dict):
+            body = {key: value for key, value in body.items() if key not in RAY_DATA_KEYS}
+            if body.get("stream"):
+                raise ValueError("stream: a request through the deployment handle is answered whole; set it false")
+        status, answer = await answer_request(url, self._direct, body, self._limits)
+        if status != 200:
+            raise ValueError(f"{status}: {answer.get('error', {}).get('message', answer)}")
+        return answer
 
     async def ask(self, call: EngineCall) -> Any | RequestRefused:
         """The engine's answer to `call` (stats, cached KV, adapters), or the refusal it amounts to."""

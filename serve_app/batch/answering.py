@@ -1,6 +1,7 @@
-"""BatchAnswerer: one batch line answered as its route answers it over HTTP (the same builders, limits and
-errors), into its result line: a response with the status and body the route would have sent, or an error for
-a line that is not a request this batch runs."""
+"""A request answered without HTTP as its route answers it over HTTP (the same builders, limits and errors):
+`answer_request`, which the engine deployment's `chat` and `completions` use for Ray Data LLM, and
+`BatchAnswerer`, which answers a batch line into its result line: a response with the status and body the route
+would have sent, or an error for a line that is not a request this batch runs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.batch.file_format import LineError, error_line, line_key, read_line, result_line
+from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.base import ProtocolHandler, RequestObserver, ResponseBuilder
 from serve_app.http.protocols.errors import ProtocolError
 from serve_app.http.protocols.limits import RequestLimits
@@ -25,6 +27,28 @@ BUILDERS: dict[str, ResponseBuilder] = {
     "/v1/completions": CompletionsBuilder(),
     "/v1/embeddings": EmbeddingsBuilder(),
 }
+
+
+async def answer_request(
+    url: str,
+    engine: EngineClient | ServedModels,
+    body: Any,
+    limits: RequestLimits,
+    tenant_salt: Callable[[str | None], str] | None = None,
+    observer: RequestObserver | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body the route at `url` (one of BUILDERS) answers `body` with, by `engine` (or by the
+    served model the body names)."""
+    builder = BUILDERS[url]
+    try:
+        client = engine.client_of(body) if isinstance(engine, ServedModels) else engine
+        response = await ProtocolHandler(builder, client, observer).handle(body, tenant_salt, limits)
+    except ProtocolError as error:
+        response = builder.errors.response(error)
+    except Exception:  # a server fault, never the request's: answered as the route answers one
+        logger.exception("a request answered without HTTP failed")
+        response = builder.errors.response(ProtocolError("internal", "internal server error"))
+    return response.status_code, json.loads(bytes(response.body))
 
 
 @dataclass(frozen=True)
@@ -60,22 +84,10 @@ class BatchAnswerer:
             line = read_line(text)
         except LineError as error:
             return AnsweredLine(key, json.dumps(error_line(error, key)), failed=True)
-        status, body = await self._run(BUILDERS[line.url], line.body)
+        status, body = await answer_request(line.url, self.models, line.body, self.limits, self.tenant_salt, self.observer)
         usage = body.get("usage") if status == 200 else None
         usage = usage if isinstance(usage, dict) else {}
         return AnsweredLine(
             key, json.dumps(result_line(line.custom_id, status, body), ensure_ascii=False), failed=status != 200,
             prompt_tokens=usage.get("prompt_tokens") or 0, completion_tokens=usage.get("completion_tokens") or 0,
         )
-
-    async def _run(self, builder: ResponseBuilder, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """The route's status and JSON body for `body`."""
-        try:
-            handler = ProtocolHandler(builder, self.models.client_of(body), self.observer)
-            response = await handler.handle(body, self.tenant_salt, self.limits)
-        except ProtocolError as error:
-            response = builder.errors.response(error)
-        except Exception:  # a server fault, never the line's: answered as the route answers one
-            logger.exception("a batch line failed")
-            response = builder.errors.response(ProtocolError("internal", "internal server error"))
-        return response.status_code, json.loads(bytes(response.body))

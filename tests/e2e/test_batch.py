@@ -1,6 +1,7 @@
-"""`serve-app batch` on a two-node Ray cluster started first (`ray start`), as a user runs it: every line gets
-exactly one result line, both nodes' engines take lines, a killed engine actor loses none, and a run killed
-midway resumes with only the lines it had not answered."""
+"""Batches on a two-node Ray cluster started first (`ray start`), as a user runs them. `serve-app batch`: every
+line gets exactly one result line, both nodes' engines take lines, a killed engine actor loses none, and a run
+killed midway resumes with only the lines it had not answered. Ray Data LLM's processors: against the app's
+engine deployment and its ingress (the README's example)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
-from serve_app.bench.servers import ROOT, users_environment
+from serve_app.bench.servers import ROOT, ServeRun, users_environment
 from tests.served import TwoNodeCluster
 
 MODEL = "tiny-llama"
@@ -119,3 +121,108 @@ def engine_task_nodes(cluster: TwoNodeCluster) -> list[str]:
         "print(json.dumps([task.node_id for task in tasks]))"
     )
     return json.loads(cluster.state(script))
+
+
+def engine_actor_processes() -> list[psutil.Process]:
+    """The engine actors' worker processes (Ray titles a worker after the actor it runs)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if any("MapBatches(BatchEngine)" in part for part in process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
+def engine_actor_restarts(cluster: TwoNodeCluster) -> int:
+    script = (
+        "import sys; from ray.util.state import list_actors; "
+        "actors = list_actors(address=sys.argv[1], detail=True, limit=10000); "
+        "print(sum(a.num_restarts for a in actors if 'MapBatches(BatchEngine)' in (a.class_name or '')))"
+    )
+    return int(cluster.state(script))
+
+
+def test_a_killed_engine_actor_loses_no_line(cluster: TwoNodeCluster, config: Path, tmp_path: Path) -> None:
+    keys = requests(tmp_path / "requests.jsonl", 480, max_tokens=48)
+    results = tmp_path / "results.jsonl"
+    restarts = engine_actor_restarts(cluster)
+    run = batch(cluster, config, tmp_path / "requests.jsonl", results)
+    written = wait_for_lines(results, run)
+    actors = engine_actor_processes()
+    assert actors and written < len(keys)
+    actors[0].kill()  # mid-batch: the rest of its blocks are in flight
+    summary = finished(run, results)
+    assert summary.startswith("482 lines answered (2 failed)"), summary
+    by_key = result_lines(results)
+    assert len(by_key) == 482 and all(len(lines) == 1 for lines in by_key.values())
+    assert all(by_key[key][0]["response"]["status_code"] == 200 for key in keys[:-1])
+    assert engine_actor_restarts(cluster) > restarts
+
+
+def test_a_run_killed_midway_resumes_with_the_lines_it_had_not_answered(
+    cluster: TwoNodeCluster, config: Path, tmp_path: Path
+) -> None:
+    keys = requests(tmp_path / "requests.jsonl", 480, max_tokens=48)
+    results = tmp_path / "results.jsonl"
+    run = batch(cluster, config, tmp_path / "requests.jsonl", results)
+    wait_for_lines(results, run)
+    run.send_signal(signal.SIGKILL)
+    run.wait(timeout=30)
+    before = result_lines(results)
+    assert 0 < len(before) < 482 and all(len(lines) == 1 for lines in before.values())
+    summary = finished(batch(cluster, config, tmp_path / "requests.jsonl", results), results)
+    assert summary.startswith(f"{482 - len(before)} lines answered (")
+    assert f"{len(before)} answered before" in summary
+    by_key = result_lines(results)
+    assert len(by_key) == 482 and all(len(lines) == 1 for lines in by_key.values())
+    assert all(by_key[key][0]["response"]["status_code"] == 200 for key in keys[:-1])
+
+
+@pytest.fixture(scope="module")
+def app(cluster: TwoNodeCluster, tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
+    """The app, by `serve run` on the cluster, serving the tiny model (its engine on half a CPU: Ray Data LLM's
+    stages need the rest)."""
+    run = ServeRun(
+        tmp_path_factory.mktemp("batch-app"), address=cluster.address, proxy_location="HeadOnly", env=cluster.env,
+        models=[{"model_loading_config": {"model_id": MODEL, "model_source": str(tiny_llama_path)}}],
+        engine_kwargs={"compile": False, "cache_tokens": 8192, "max_model_len": 1024},
+        engine_deployment={"ray_actor_options": {"num_cpus": 0.5}}, plain=True,
+    )
+    yield run
+    run.stop()
+
+
+def user_script(cluster: TwoNodeCluster, *command: str) -> list[dict]:
+    """The JSON lines a user's Ray Data script prints, run on the cluster."""
+    done = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**users_environment(os.environ), **cluster.env, "RAY_ADDRESS": cluster.address},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_ray_data_llm_processors_reach_the_engine_deployment_and_the_ingress(cluster: TwoNodeCluster, app: ServeRun) -> None:
+    rows = user_script(cluster, "examples/ray_data_llm.py", "--model", MODEL, "--url", app.url)
+    for processor, prefix in (("serve_deployment", "chatcmpl-"), ("http_request", "chatcmpl-")):
+        answers = [row for row in rows if row["processor"] == processor]
+        assert len(answers) == 4 and all(row["id"].startswith(prefix) and isinstance(row["answer"], str) for row in answers)
+
+
+def test_a_request_the_api_refuses_is_a_row_error_through_the_engine_deployment(cluster: TwoNodeCluster, app: ServeRun) -> None:
+    script = f"""
+import json, ray
+from ray.data.llm import ServeDeploymentProcessorConfig, build_processor
+processor = build_processor(
+    ServeDeploymentProcessorConfig(deployment_name="EngineDeployment:{MODEL}", app_name="llm", batch_size=4, concurrency=1,
+                                   should_continue_on_error=True),
+    preprocess=lambda row: {{"method": "completions", "request_kwargs": {{"model": "{MODEL}", "prompt": "Once upon a time",
+                            "max_tokens": row["max_tokens"], "temperature": 0}}}},
+)
+for row in processor(ray.data.from_items([{{"max_tokens": 4}}, {{"max_tokens": -1}}, {{"max_tokens": 6}}])).take_all():
+    print(json.dumps({{"error": row["__inference_error__"], "usage": row.get("usage")}}, default=str))
+"""
+    rows = user_script(cluster, "-c", script)
+    assert len(rows) == 3
+    (refused,) = [row for row in rows if row["error"]]
+    assert "400" in refused["error"] and "max_tokens" in refused["error"]
+    assert sorted(row["usage"]["completion_tokens"] for row in rows if not row["error"]) == [4, 6]
