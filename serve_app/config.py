@@ -334,6 +334,17 @@ class ServerConfig(_Strict):
         1000, ge=0, description="Responses-API responses kept per tenant for previous_response_id; 0: none"
     )
     stored_response_max_age_s: float = Field(3600.0, gt=0, description="a stored response is dropped after this long")
+    batch_files_path: Path | None = Field(
+        None, description="where the Batch API keeps tenants' files and batches; None: the cache folder's `batches`"
+    )
+    max_batch_file_bytes: ByteSize = Field(ByteSize(100 * 2**20), ge=1024, description="an uploaded file's bytes at most")
+    max_batch_bytes_per_tenant: ByteSize = Field(
+        ByteSize(2**30), ge=1024, description="a tenant's files (uploads and batch results) at most, in bytes"
+    )
+    max_batch_lines: int = Field(50_000, ge=1, description="requests in a batch's input file at most")
+    batch_concurrency: int = Field(
+        16, ge=1, description="a batch's requests in flight at once: what batches take of the engines beside online traffic"
+    )
     otlp_traces_endpoint: str | None = Field(
         None, description="an OTLP/HTTP traces endpoint (e.g. http://collector:4318/v1/traces): a span per request "
         "in the ingress, the router and the engine; None: no tracing",

@@ -58,6 +58,7 @@ class AnsweredLine:
     key: str
     result: str
     failed: bool
+    status_code: int | None = None  # the route's status; None for a line that could not run
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -89,5 +90,6 @@ class BatchAnswerer:
         usage = usage if isinstance(usage, dict) else {}
         return AnsweredLine(
             key, json.dumps(result_line(line.custom_id, status, body), ensure_ascii=False), failed=status != 200,
+            status_code=status,
             prompt_tokens=usage.get("prompt_tokens") or 0, completion_tokens=usage.get("completion_tokens") or 0,
         )

@@ -8,13 +8,13 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from serve_app.http.context import ServerContext
-from serve_app.http.routes import admin, generation, kv, responses, tokens, web
+from serve_app.http.routes import admin, batches, generation, kv, responses, tokens, web
 
 
 def create_api(context: ServerContext | None = None) -> FastAPI:
     api = FastAPI(title="serve-app", description="OpenAI (chat, completions, responses) and Anthropic compatible LLM inference")
     if context is not None:
         api.state.context = context
-    for routes in (generation.router, responses.router, tokens.router, kv.router, admin.router, web.router):
+    for routes in (generation.router, responses.router, batches.router, tokens.router, kv.router, admin.router, web.router):
         api.include_router(routes)
     return api

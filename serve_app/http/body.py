@@ -1,9 +1,11 @@
 """Reading request bodies: the media type the route takes (415), a byte limit (413), and JSON that is really
-JSON (400), parsed off the event loop when it is big. The parser still holds the GIL while it runs (about
-35 ms a megabyte on a slow 2-core host), so `max_request_bytes` bounds how long the loop can wait for it.
+JSON (400), parsed off the event loop when it is big, or a multipart form (a file upload). The JSON parser still
+holds the GIL while it runs (about 35 ms a megabyte on a slow 2-core host), so `max_request_bytes` bounds how
+long the loop can wait for it.
 
 Only `application/json` reaches a JSON route: a browser sends a cross-site POST without asking first only
-as a form or `text/plain` (or with no type at all), so such a page cannot drive the server."""
+as a form or `text/plain` (or with no type at all), so such a page cannot drive the server. A form is what a
+browser does send across sites, so a form from another origin (its `Origin` header not this host) is refused."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import json
 from typing import Any
 
 from fastapi import Request
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from serve_app.http.protocols.errors import ProtocolError, invalid
 
 JSON = "application/json"
+FORM = "multipart/form-data"
 # Bodies up to this size are parsed on the event loop (well under a millisecond); bigger ones on a thread.
 PARSE_ON_LOOP_BYTES = 64 * 1024
 
@@ -60,3 +65,22 @@ def parse_json(body: bytes) -> Any:
         raise invalid(f"malformed JSON: {error.msg} at position {error.pos}") from None
     except RecursionError:
         raise invalid("malformed JSON: nested too deeply") from None
+
+
+async def read_form(request: Request, limit: int, limit_name: str, fields: int) -> FormData:
+    """A multipart form (a file upload): 415 for another media type, 413 past `limit` bytes, 400 for more than
+    `fields` fields or one file, or a malformed body. It is read whole (within `limit`) before it is parsed."""
+    check_media_type(request, FORM)
+    origin = request.headers.get("origin")
+    if origin is not None and origin.split("://", 1)[-1] != request.headers.get("host"):
+        raise ProtocolError("permission", f"a form from another origin ({origin}) is not taken")
+    body = await read_body(request, limit, limit_name)
+
+    async def chunks():
+        yield body
+
+    parser = MultiPartParser(request.headers, chunks(), max_files=1, max_fields=fields, max_part_size=64 * 1024)
+    try:
+        return await parser.parse()
+    except MultiPartException as error:
+        raise invalid(f"malformed multipart body: {error.message}") from None
