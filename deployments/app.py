@@ -1,5 +1,6 @@
 """build_app(args): the Serve application graph, Ingress -> one EngineDeployment per model (`llm_configs`),
-with the ReplicaBoard and the Responses API's ResponseStore."""
+with the ReplicaBoard, the Responses API's ResponseStore and the Batch API (which sends its batches to the
+engines too)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ray.serve import Application
 
 from deployments.access import read_access, serve_http_host
 from deployments.app_args import AppConfig
+from deployments.batch.api import BatchAPIDeployment
 from deployments.engine import EngineDeployment
 from deployments.ingress import Ingress
 from deployments.model_copy import check_model
@@ -42,4 +44,6 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         for llm in config.llm_configs
     }
     responses = ResponseStoreDeployment.bind(server.max_stored_responses, server.stored_response_max_age_s)
-    return Ingress.bind(engines, board, responses, config.model_dump(mode="json", exclude_defaults=True), asdict(access))
+    app_config = config.model_dump(mode="json", exclude_defaults=True)
+    batches = BatchAPIDeployment.bind(engines, board, app_config, asdict(access))
+    return Ingress.bind(engines, board, responses, batches, app_config, asdict(access))

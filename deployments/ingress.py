@@ -1,5 +1,5 @@
 """Ingress: the HTTP API (serve_app.http.app) with an engine client made of Ray Serve handles per model
-(one engine deployment each).
+(one engine deployment each), stored responses and the Batch API in deployments of their own.
 
 Each client carries its model's `PromptEncoder`: the HTTP layer's handler renders and tokenizes prompts here,
 once, so the engine replicas get token ids and the request router can hash their pages."""
@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.access import ServerAccess
 from deployments.app_args import AppConfig
+from deployments.batch.api import RayBatches
 from deployments.model_copy import model_here
 from deployments.ray_metrics import RayMetrics
 from deployments.response_store import RayResponses
@@ -122,6 +123,17 @@ class RayEngineClient(EngineClient):
             self._refreshing = None
 
 
+def served_models(config: AppConfig, engines: dict[str, DeploymentHandle], board: DeploymentHandle) -> ServedModels:
+    """Each model's engine client: its engine deployment's handle and its tokenizer, prepared on this node."""
+    clients = {}
+    for model_id, engine in engines.items():
+        model = config.model(model_id).engine().model
+        folder = resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir)
+        prompts = PromptEncoder(Tokenizer(folder, cache_dir=model.cache_dir))
+        clients[model_id] = RayEngineClient(engine, board, prompts)
+    return ServedModels(clients)
+
+
 def _as_its_own_call() -> contextvars.Context:
     """A context in which a handle call gets an internal request id of its own. Serve takes the id
     from the HTTP request's context, so the engine calls of one request (its `n` choices) would
@@ -142,6 +154,7 @@ class Ingress:
         engines: dict[str, DeploymentHandle],
         board: DeploymentHandle,
         responses: DeploymentHandle,
+        batches: DeploymentHandle,
         config: dict[str, Any],
         access: dict[str, Any],
     ) -> None:
@@ -150,17 +163,11 @@ class Ingress:
         server = app_config.server
         tracing.configure(server.otlp_traces_endpoint, "serve-app-ingress")
         tenants = ServerAccess(**access).tenants()
-        clients = {}
-        for model_id, engine in engines.items():
-            model = app_config.model(model_id).engine().model  # its tokenizer, prepared on this node
-            folder = resolve_model_path(model_here(model.name, model.cache_dir), model.cache_dir)
-            tokenizer = Tokenizer(folder, cache_dir=model.cache_dir)
-            prompts = PromptEncoder(tokenizer)
-            clients[model_id] = RayEngineClient(engine, board, prompts)
         replica = serve.get_replica_context().replica_id.unique_id
         metrics = ServerMetrics(replica, RayMetrics(REQUEST_METRICS), server.metrics_names)
         self.context = ServerContext(
-            ServedModels(clients), server, metrics, tenants=tenants, responses=RayResponses(responses)
+            served_models(app_config, engines, board), server, metrics, tenants=tenants,
+            responses=RayResponses(responses), batches=RayBatches(batches),
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -1,11 +1,13 @@
 """Batches on a two-node Ray cluster started first (`ray start`), as a user runs them. `serve-app batch`: every
 line gets exactly one result line, both nodes' engines take lines, a killed engine actor loses none, and a run
 killed midway resumes with only the lines it had not answered. Ray Data LLM's processors: against the app's
-engine deployment and its ingress (the README's example)."""
+engine deployment and its ingress (the README's example). OpenAI's Batch API through the app's ingress, its
+engine replica killed midway."""
 
 from __future__ import annotations
 
 import collections
+import io
 import json
 import os
 import signal
@@ -15,9 +17,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import psutil
 import pytest
 import yaml
+from openai.types.chat import ChatCompletion
 
 from serve_app.bench.servers import ROOT, ServeRun, users_environment
 from tests.served import TwoNodeCluster
@@ -186,6 +190,7 @@ def app(cluster: TwoNodeCluster, tiny_llama_path: Path, tmp_path_factory: pytest
         models=[{"model_loading_config": {"model_id": MODEL, "model_source": str(tiny_llama_path)}}],
         engine_kwargs={"compile": False, "cache_tokens": 8192, "max_model_len": 1024},
         engine_deployment={"ray_actor_options": {"num_cpus": 0.5}}, plain=True,
+        args={"batch_files_path": str(tmp_path_factory.mktemp("batch-files"))},
     )
     yield run
     run.stop()
@@ -226,3 +231,31 @@ for row in processor(ray.data.from_items([{{"max_tokens": 4}}, {{"max_tokens": -
     (refused,) = [row for row in rows if row["error"]]
     assert "400" in refused["error"] and "max_tokens" in refused["error"]
     assert sorted(row["usage"]["completion_tokens"] for row in rows if not row["error"]) == [4, 6]
+
+
+def test_a_batch_api_batch_loses_no_line_to_a_killed_engine_replica(cluster: TwoNodeCluster, app: ServeRun) -> None:
+    """The OpenAI SDK's batch round trip through the app's ingress; the engine replica killed midway: Serve
+    replaces it, and the lines it was answering are answered again, each once."""
+    oai = openai.OpenAI(base_url=f"{app.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 64,
+                       "temperature": 0}} for i in range(48)]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    file_id = oai.files.create(file=("requests.jsonl", io.BytesIO(text.encode())), purpose="batch").id
+    batch = oai.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (seen := oai.batches.retrieve(batch.id)).request_counts.completed == 0:
+        assert seen.status in ("validating", "in_progress") and time.monotonic() < deadline, seen
+        time.sleep(0.1)
+    assert seen.request_counts.completed < 48, "the batch ended before the replica could be killed"
+    (victim,) = [process for _, process in cluster.engine_replicas()]
+    victim.kill()
+    while (batch := oai.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline + 300, batch
+        time.sleep(0.5)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (48, 0)
+    answered = [json.loads(line) for line in oai.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in answered) == sorted(f"q{i}" for i in range(48))
+    assert all(ChatCompletion.model_validate(line["response"]["body"]).choices[0].finish_reason for line in answered)
+    assert oai.files.content(batch.error_file_id).text == ""
+    assert victim.pid not in [process.pid for _, process in cluster.engine_replicas()]  # its replacement answered
