@@ -36,13 +36,14 @@ async def answer_request(
     limits: RequestLimits,
     tenant_salt: Callable[[str | None], str] | None = None,
     observer: RequestObserver | None = None,
+    background: bool = False,
 ) -> tuple[int, dict[str, Any]]:
     """The status and JSON body the route at `url` (one of BUILDERS) answers `body` with, by `engine` (or by the
-    served model the body names)."""
+    served model the body names); a `background` request runs in what online requests leave over."""
     builder = BUILDERS[url]
     try:
         client = engine.client_of(body) if isinstance(engine, ServedModels) else engine
-        response = await ProtocolHandler(builder, client, observer).handle(body, tenant_salt, limits)
+        response = await ProtocolHandler(builder, client, observer).handle(body, tenant_salt, limits, background=background)
     except ProtocolError as error:
         response = builder.errors.response(error)
     except Exception:  # a server fault, never the request's: answered as the route answers one
@@ -65,7 +66,7 @@ class AnsweredLine:
 
 class BatchAnswerer:
     """Answers batch lines with the served models, held to `limits`, every prompt cached under `tenant_salt`'s
-    salt (a batch's tenant)."""
+    salt (a batch's tenant); `background` where they share the engines with online requests."""
 
     def __init__(
         self,
@@ -73,11 +74,13 @@ class BatchAnswerer:
         limits: RequestLimits,
         tenant_salt: Callable[[str | None], str] | None = None,
         observer: RequestObserver | None = None,
+        background: bool = False,
     ) -> None:
         self.models = models
         self.limits = limits
         self.tenant_salt = tenant_salt
         self.observer = observer
+        self.background = background
 
     async def answer(self, text: str) -> AnsweredLine:
         key = line_key(text)
@@ -85,7 +88,9 @@ class BatchAnswerer:
             line = read_line(text)
         except LineError as error:
             return AnsweredLine(key, json.dumps(error_line(error, key)), failed=True)
-        status, body = await answer_request(line.url, self.models, line.body, self.limits, self.tenant_salt, self.observer)
+        status, body = await answer_request(
+            line.url, self.models, line.body, self.limits, self.tenant_salt, self.observer, self.background
+        )
         usage = body.get("usage") if status == 200 else None
         usage = usage if isinstance(usage, dict) else {}
         return AnsweredLine(

@@ -97,7 +97,7 @@ class TaskIntake:
         pin = CachePin(encoded.pin_tokens, prefix.ttl_s) if prefix is not None and encoded.pin_tokens else None
         sampling = TaskSampling(params, frozenset(stop_ids), request.min_tokens, generator, matcher, request.logprobs)
         output = TaskOutput(out, guard, thinking, request.embed)
-        admission = TaskAdmission(encoded.prefix_salt, request.priority, pin)
+        admission = TaskAdmission(encoded.prefix_salt, request.priority, pin, encoded.background)
         # The adapter's slot is taken last: nothing after it can fail, and the task gives it back when it ends.
         adapter = self._adapter(request.lora)
         return Task(task_id, len(prompt_ids), list(prompt_ids), max_tokens, sampling, output, admission, adapter)

@@ -1,8 +1,10 @@
 """Scheduler: the continuous-batching policy, with no thread and no model.
 
 Each round it makes room for every running decode (preempting the task the scheduling policy ranks last,
-by recompute, when pages run out), admits waiting tasks in the policy's order while memory lasts, and packs all decode tokens (with their
-proposed tokens, under speculative decoding) and prefill chunks into one batch. After the forward
+by recompute, when pages run out), admits waiting tasks in the policy's order while memory lasts, and packs all
+decode tokens (with their proposed tokens, under speculative decoding) and prefill chunks into one batch. A
+batch's (background) tasks come after online ones in each of those, and prefill only in small chunks, and
+only while no online task waits or prefills. After the forward
 it records what the cache now holds, and after sampling it publishes each task's output or ends it.
 The loop (`loop.py`) calls it from the engine's thread; the step (`step.py`) runs the model.
 """
@@ -27,6 +29,9 @@ from serve_app.wire.calls import ITERATION_TOKEN_BUCKETS
 from serve_app.wire.outputs import CoreOutput
 
 logger = logging.getLogger(__name__)
+
+# A batch's tasks prefill at most this fraction (1/N) of a step's token budget.
+BACKGROUND_PREFILL_SHARE = 4
 
 
 @dataclass
@@ -178,6 +183,14 @@ class Scheduler:
         self.stats.preemptions += 1
         logger.debug("preempted task %d at %d tokens", task.task_id, task.num_tokens)
 
+    def _preempt_background(self) -> bool:
+        """Preempt the running background task ranked last, if there is one."""
+        background = [task for task in self.running if task.admission.background]
+        if not background:
+            return False
+        self._preempt(max(background, key=self.waiting.rank))
+        return True
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             task = self.waiting.first()
@@ -193,6 +206,8 @@ class Scheduler:
             else:
                 cached = self.cache.admit(task.task_id, task.tokens, task.admission.prefix_salt)
             if cached is None:
+                if not task.admission.background and self._preempt_background():
+                    continue  # an online task takes a batch's memory
                 break
             self.waiting.pop_first()
             task.num_computed = cached
@@ -215,15 +230,27 @@ class Scheduler:
         if self.speculator is not None and decodes and self.speculator.proposes_at(len(decodes)):
             self._propose(decodes, budget - len(decodes))
         scheduled: list[tuple[BatchEntry, Task]] = []
-        for task in sorted(self.running, key=lambda t: t.is_prefilling):
-            chunk = min(task.num_tokens - task.num_computed, budget)
+        background_budget = self._background_prefill_budget()
+        for task in sorted(self.running, key=lambda t: (t.is_prefilling, t.admission.background)):
+            background_prefill = task.is_prefilling and task.admission.background
+            chunk = min(task.num_tokens - task.num_computed, min(budget, background_budget) if background_prefill else budget)
             if chunk <= 0:
                 break
+            if background_prefill:
+                background_budget -= chunk
             budget -= chunk + len(task.drafts)
             scheduled.append((BatchEntry(task.task_id, task.num_computed, chunk + len(task.drafts), bool(task.drafts)), task))
         # Decode rows first, longest context first, so the attention can group similar lengths.
         scheduled.sort(key=lambda pair: (not pair[0].is_decode, -pair[0].end))
         return Batch([entry for entry, _ in scheduled], [task for _, task in scheduled])
+
+    def _background_prefill_budget(self) -> int:
+        """The prompt tokens a batch's tasks may prefill this step: none while an online task waits or prefills
+        (its first token comes first), and at most BACKGROUND_PREFILL_SHARE of the step's budget otherwise, so
+        that an online request arriving finds no long step in its way."""
+        if self.waiting.has_online or any(t.is_prefilling and not t.admission.background for t in self.running):
+            return 0
+        return max(1, self.config.max_num_batched_tokens // BACKGROUND_PREFILL_SHARE)
 
     def _propose(self, decodes: list[Task], spare: int) -> None:
         """Set the decodes' `drafts`: the proposals found for each that the step keeps, `spare` tokens at most,

@@ -57,6 +57,7 @@ class TaskAdmission:
     prefix_salt: str  # the tenant's salt, and the adapter's
     priority: int = 0  # lower is admitted first, under the priority scheduling policy
     pin: CachePin | None = None  # its prompt's prefix to keep cached, until its prefill has computed it
+    background: bool = False  # a batch's: admitted after, preempted before, and prefilled around online tasks
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     cache_written_tokens: int = 0  # prompt tokens its pin kept that the prefix cache did not hold before
     loaded: LoadedPages | None = None  # pages the tiers gave it, until it is admitted

@@ -54,9 +54,11 @@ class ServerContext:
             self.batches = BatchService(batch_store(self.config), self.batch_answerer, self.config.batch_concurrency)
 
     def batch_answerer(self, tenant_id: str) -> BatchAnswerer:
-        """How a tenant's batch lines are answered: by the served models, within the limits, under its cache salt."""
+        """How a tenant's batch lines are answered: by the served models, within the limits, under its cache salt,
+        behind online requests."""
         tenant = Tenant(tenant_id, "user")
-        return BatchAnswerer(self.models, self.limits, lambda salt: self.tenant_salt(tenant, salt), self.metrics)
+        salt = lambda client_salt: self.tenant_salt(tenant, client_salt)  # noqa: E731
+        return BatchAnswerer(self.models, self.limits, salt, self.metrics, background=True)
 
     def caller(self, request: Request, admin: bool = False) -> Tenant:
         """Who sent `request` (`Authorization: Bearer <key>` or `x-api-key`): 401 when unknown, 403 when not admin."""

@@ -299,6 +299,7 @@ class EncodedRequest:
     tenant_salt: str = ""
     trace_context: dict[str, str] = field(default_factory=dict)
     pin_tokens: int = 0  # the leading prompt tokens its `cache_prefix` keeps cached
+    background: bool = False  # a batch's (the Batch API's): it runs in what online requests leave over
 
     @property
     def prefix_salt(self) -> str:

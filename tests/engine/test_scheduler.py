@@ -29,12 +29,12 @@ def _scheduler(pages: int, **limits: int) -> Scheduler:
 _OUTPUTS: dict[int, list[CoreOutput]] = {}  # id(task) -> the outputs it published
 
 
-def _task(task_id: int, prompt: list[int], max_tokens: int = 8, priority: int = 0) -> Task:
+def _task(task_id: int, prompt: list[int], max_tokens: int = 8, priority: int = 0, background: bool = False) -> Task:
     outputs: list[CoreOutput] = []
     output = TaskOutput(lambda _, published: outputs.append(published))
     task = Task(
         task_id, len(prompt), list(prompt), max_tokens, TaskSampling(SamplingParams(temperature=0), frozenset()), output,
-        TaskAdmission("", priority),
+        TaskAdmission("", priority, background=background),
     )
     _OUTPUTS[id(task)] = outputs
     return task
@@ -168,3 +168,32 @@ def test_cancelling_and_cancel_all_give_every_page_back() -> None:
     assert [_result(t).finish_reason for t in [*tasks, late]] == ["cancelled"] * 4
     assert not scheduler.running and not scheduler.waiting
     assert scheduler.cache.usage().free == 32
+
+
+def test_a_batchs_tasks_wait_behind_online_ones_and_prefill_only_around_them() -> None:
+    scheduler = _scheduler(pages=64, max_num_batched_tokens=16)  # a batch's prefill: 4 tokens a step at most
+    batch = [_task(i, list(range(10 * i, 10 * i + 10)), background=True) for i in (1, 2)]
+    scheduler.add(batch)
+    assert _spans(_step(scheduler)) == [(1, 0, 4)]  # alone, still in small chunks
+    online, later = _task(3, list(range(300, 312))), _task(4, [7] * 4, background=True)
+    scheduler.add([later, online])
+    assert [t.task_id for t in scheduler.waiting] == [3, 4]  # the online task waits first
+    assert _spans(_step(scheduler)) == [(3, 0, 12)]  # it prefills alone: the batch's prefills wait
+    assert _spans(_step(scheduler)) == [(3, 12, 1), (1, 4, 4)]  # its decode, then the batch's chunk again
+
+
+def test_an_online_task_takes_memory_from_a_batchs_task() -> None:
+    scheduler = _scheduler(pages=6)  # 24 tokens
+    background = _task(1, list(range(100, 116)), max_tokens=4, background=True)
+    scheduler.add([background])
+    while background.is_prefilling or background.state is not TaskState.RUNNING:
+        _step(scheduler)
+    online = _task(2, list(range(200, 216)), max_tokens=4)
+    scheduler.add([online])
+    _step(scheduler)
+    assert online.state is TaskState.RUNNING and background.state is TaskState.WAITING  # preempted by recompute
+    assert scheduler.stats.preemptions == 1
+    while _step(scheduler) is not None:
+        pass
+    assert _result(online).finish_reason == "length" and _result(background).finish_reason == "length"
+    assert scheduler.cache.usage().free == 6

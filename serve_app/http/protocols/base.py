@@ -4,6 +4,7 @@ answer's shape and the state it keeps as it streams); `ProtocolHandler` runs one
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -102,12 +103,14 @@ class ProtocolHandler:
         tenant_salt: Callable[[str | None], str] | None = None,
         limits: RequestLimits | None = None,
         answered: Answered | None = None,
+        background: bool = False,
     ) -> Response:
         """Answer one request: prepare it, hold it to `limits`, encode it (the chat template, tokens, and the engine
         salt `tenant_salt` maps each client salt to), then stream it from the engine.
         `answered` runs once the whole answer is built, before its last event or the response is sent
         (a client that has the answer can rely on what `answered` did; where it fails, the client gets the
-        protocol's error instead: a 500, or a stream that ends in its error event)."""
+        protocol's error instead: a 500, or a stream that ends in its error event). A `background` request (a
+        batch's) runs in what online requests leave over."""
         try:
             if not await self.engine.ready():
                 raise ProtocolError("not_ready", "Engine not initialized")
@@ -127,6 +130,8 @@ class ProtocolHandler:
             encoded = await self.engine.prompts.encode(
                 prepared.requests, salts, tracing.carrier(self.span), prepared.choices_per_prompt
             )
+            if background:
+                encoded = [dataclasses.replace(request, background=True) for request in encoded]
             streams = [_TimedStream(self.engine.stream(r)) for r in encoded]
             firsts = await _first_deltas(streams)
         except ValidationError as error:
