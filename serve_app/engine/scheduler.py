@@ -3,8 +3,8 @@
 Each round it makes room for every running decode (preempting the task the scheduling policy ranks last,
 by recompute, when pages run out), admits waiting tasks in the policy's order while memory lasts, and packs all
 decode tokens (with their proposed tokens, under speculative decoding) and prefill chunks into one batch. A
-batch's (background) tasks come after online ones in each of those, and prefill only in small chunks, and
-only while no online task waits or prefills. After the forward
+batch's (background) tasks come after online ones in each of those, prefill only in small chunks, and sit out
+every step in which an online task waits or prefills. After the forward
 it records what the cache now holds, and after sampling it publishes each task's output or ends it.
 The loop (`loop.py`) calls it from the engine's thread; the step (`step.py`) runs the model.
 """
@@ -30,7 +30,8 @@ from serve_app.wire.outputs import CoreOutput
 
 logger = logging.getLogger(__name__)
 
-# A batch's tasks prefill at most this fraction (1/N) of a step's token budget.
+# A batch's tasks prefill at most this fraction (1/N) of a step's token budget: an online request that arrives
+# meanwhile finds no long step in its way.
 BACKGROUND_PREFILL_SHARE = 4
 
 
@@ -230,8 +231,11 @@ class Scheduler:
         if self.speculator is not None and decodes and self.speculator.proposes_at(len(decodes)):
             self._propose(decodes, budget - len(decodes))
         scheduled: list[tuple[BatchEntry, Task]] = []
-        background_budget = self._background_prefill_budget()
-        for task in sorted(self.running, key=lambda t: (t.is_prefilling, t.admission.background)):
+        background_budget = max(1, self.config.max_num_batched_tokens // BACKGROUND_PREFILL_SHARE)
+        # While an online task waits or prefills, its first token comes first: the step is the online tasks' alone.
+        online_first = self.waiting.has_online or any(t.is_prefilling and not t.admission.background for t in self.running)
+        runnable = [task for task in self.running if not (online_first and task.admission.background)]
+        for task in sorted(runnable, key=lambda t: (t.is_prefilling, t.admission.background)):
             background_prefill = task.is_prefilling and task.admission.background
             chunk = min(task.num_tokens - task.num_computed, min(budget, background_budget) if background_prefill else budget)
             if chunk <= 0:
@@ -243,14 +247,6 @@ class Scheduler:
         # Decode rows first, longest context first, so the attention can group similar lengths.
         scheduled.sort(key=lambda pair: (not pair[0].is_decode, -pair[0].end))
         return Batch([entry for entry, _ in scheduled], [task for _, task in scheduled])
-
-    def _background_prefill_budget(self) -> int:
-        """The prompt tokens a batch's tasks may prefill this step: none while an online task waits or prefills
-        (its first token comes first), and at most BACKGROUND_PREFILL_SHARE of the step's budget otherwise, so
-        that an online request arriving finds no long step in its way."""
-        if self.waiting.has_online or any(t.is_prefilling and not t.admission.background for t in self.running):
-            return 0
-        return max(1, self.config.max_num_batched_tokens // BACKGROUND_PREFILL_SHARE)
 
     def _propose(self, decodes: list[Task], spare: int) -> None:
         """Set the decodes' `drafts`: the proposals found for each that the step keeps, `spare` tokens at most,

@@ -170,7 +170,7 @@ def test_cancelling_and_cancel_all_give_every_page_back() -> None:
     assert scheduler.cache.usage().free == 32
 
 
-def test_a_batchs_tasks_wait_behind_online_ones_and_prefill_only_around_them() -> None:
+def test_a_batchs_tasks_wait_behind_online_ones_and_sit_out_their_prefills() -> None:
     scheduler = _scheduler(pages=64, max_num_batched_tokens=16)  # a batch's prefill: 4 tokens a step at most
     batch = [_task(i, list(range(10 * i, 10 * i + 10)), background=True) for i in (1, 2)]
     scheduler.add(batch)
@@ -178,8 +178,14 @@ def test_a_batchs_tasks_wait_behind_online_ones_and_prefill_only_around_them() -
     online, later = _task(3, list(range(300, 312))), _task(4, [7] * 4, background=True)
     scheduler.add([later, online])
     assert [t.task_id for t in scheduler.waiting] == [3, 4]  # the online task waits first
-    assert _spans(_step(scheduler)) == [(3, 0, 12)]  # it prefills alone: the batch's prefills wait
+    assert _spans(_step(scheduler)) == [(3, 0, 12)]  # it prefills alone: the batch sits the step out
     assert _spans(_step(scheduler)) == [(3, 12, 1), (1, 4, 4)]  # its decode, then the batch's chunk again
+    for _ in range(3):
+        _step(scheduler)
+    decoding = [t for t in batch if not t.is_prefilling]
+    assert decoding, "a batch task decodes by now"
+    scheduler.add([_task(5, [9] * 8)])
+    assert _spans(_step(scheduler)) == [(3, 16, 1), (5, 0, 8)]  # a new online prefill: the batch's decodes sit out too
 
 
 def test_an_online_task_takes_memory_from_a_batchs_task() -> None:

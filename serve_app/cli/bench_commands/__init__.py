@@ -7,6 +7,7 @@ import argparse
 
 from serve_app.cli.bench_commands import (
     abuse,
+    batch,
     clients,
     compare,
     decode_kernel,
@@ -28,7 +29,7 @@ from serve_app.cli.bench_commands import (
     tiers,
 )
 
-COMMANDS = [engine, compare, serve, prefix, tiers, spec, soak, abuse, start, process_cpu, memory, step_budget, decode_kernel, structured, lora, clients, quant, gpu_check, route, random_model]
+COMMANDS = [engine, compare, serve, batch, prefix, tiers, spec, soak, abuse, start, process_cpu, memory, step_budget, decode_kernel, structured, lora, clients, quant, gpu_check, route, random_model]
 
 
 def add_bench(commands: argparse._SubParsersAction) -> None:
