@@ -18,10 +18,10 @@ from deployments.app_args import LLMConfig
 from deployments.model_copy import model_here
 from deployments.placement import Placement
 from deployments.ray_metrics import RayMetrics
-from serve_app.engine.core_client import answer_or_refusal, open_stream
-from serve_app.engine.process import EngineProcess, EngineProcessError
 from serve_app.batch.answering import answer_request
 from serve_app.config import ServerConfig
+from serve_app.engine.core_client import answer_or_refusal, open_stream
+from serve_app.engine.process import EngineProcess, EngineProcessError
 from serve_app.http.engine_client import LocalEngineClient, model_card
 from serve_app.http.protocols.limits import RequestLimits
 from serve_app.metrics import tracing

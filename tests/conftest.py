@@ -123,6 +123,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
     run = ServeRun(
         tmp_path_factory.mktemp("serve"), engine_kwargs={"cache_tokens": 8192, "max_model_len": 2048}, plain=True,
         engine_deployment={"request_router_config": router_config(idle_after_s=FOLLOWER_IDLE_S)},
+        args={"batch_files_path": str(tmp_path_factory.mktemp("batch-files"))},
     )
     yield run
     run.stop()

@@ -13,6 +13,7 @@ import openai
 from serve_app.bench.servers import free_port
 from serve_app.config import ServerConfig
 from serve_app.engine.engine import InferenceEngine
+from serve_app.batch.service import BatchService
 from serve_app.http.app import create_api
 from serve_app.http.context import ServerContext
 from serve_app.http.engine_client import LocalEngineClient, model_card
@@ -70,6 +71,7 @@ def engine_server(
     context = ServerContext(ServedModels({MODEL: client(engine, model_card(engine, MODEL, engine.config.grammar))}), config or ServerConfig())
     if tenants is not None:
         context.tenants = tenants
+    context.batches = BatchService.serving(context)
     server = InProcessServer(create_api(context))
     try:
         yield server

@@ -11,9 +11,10 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.access import ServerAccess
 from deployments.app_args import AppConfig
+from deployments.engine_clients import served_models
 from deployments.ray_metrics import RayMetrics
-from serve_app.batch.service import Batches, BatchService
-from serve_app.batch.store import StoreError
+from serve_app.batch.service import BatchService
+from serve_app.http.batches import Batches, StoreError
 from serve_app.http.context import ServerContext
 from serve_app.metrics.catalog import REQUEST_METRICS
 from serve_app.metrics.prometheus import ServerMetrics
@@ -28,8 +29,6 @@ CALLS = frozenset(name for name in Batches.__abstractmethods__)
 class BatchAPIDeployment:
     def __init__(self, engines: dict[str, DeploymentHandle], board: DeploymentHandle, config: dict[str, Any],
                  access: dict[str, Any]) -> None:
-        from deployments.ingress import served_models  # the ingress's own clients of the engines
-
         app_config = AppConfig.model_validate(config)
         server = app_config.server
         replica = serve.get_replica_context().replica_id.unique_id
@@ -37,8 +36,7 @@ class BatchAPIDeployment:
         context = ServerContext(
             served_models(app_config, engines, board), server, metrics, tenants=ServerAccess(**access).tenants()
         )
-        assert isinstance(context.batches, BatchService)
-        self.service = context.batches
+        self.service = BatchService.serving(context)
         self.service.start()  # batches a restart left unfinished go on
 
     async def call(self, name: str, *args: Any) -> Any:

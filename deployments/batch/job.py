@@ -95,10 +95,11 @@ def _read_lines(path: str) -> ray.data.Dataset:
     return ray.data.read_text(str(Path(path).resolve()), num_cpus=0, label_selector=this_node)
 
 
-def run_batch(job: BatchJob) -> BatchSummary:
+def run_batch(job: BatchJob, address: str | None = None) -> BatchSummary:
     """Answer every line of `job.input` not yet in `job.output`, appending the results there; on the Ray cluster
-    this process is connected to."""
+    at `address` (None: $RAY_ADDRESS, else the one `ray start` started here, else a new one; `local`: a new one)."""
     llm, config = read_config(job.config, job.model)
+    ray.init(address=address)
     check_model(llm.model_loading_config.source)
     started = time.monotonic()
     results = ResultsFile(job.output)

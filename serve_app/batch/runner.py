@@ -1,10 +1,11 @@
-"""BatchRunner: runs the Batch API's batches from the store, oldest first. A batch is validated as OpenAI's is (every
-line a request for its endpoint, custom_ids unique, within `max_batch_lines`; else it fails, its errors listed),
-then its lines are answered, at most `concurrency` at once (what a batch may take of the engines beside online
-traffic), each result appended to the output file (a 200) or the error file (anything else) as it comes. A line
-that meets a server fault (an engine replica lost: a 5xx) is tried again before it is written as an error. A
-batch resumed after a restart does only the lines its files do not answer. Cancelling stops its requests;
-what was answered stays in its files."""
+"""BatchRunner: runs the Batch API's batches from the store. A batch is validated as OpenAI's is (every line a
+request for its endpoint, custom_ids unique, within `max_batch_lines`; else it fails, its errors listed), then
+its lines are answered. Every running batch shares `concurrency` slots (what batches take of the engines beside
+online traffic) in turn, a line each, so one tenant's long batch does not hold back another's. Each result is
+appended to the output file (a 200) or the error file (anything else) as it comes. A line that meets a server
+fault (an engine replica lost: a 5xx) is tried again before it is written as an error. A batch resumed after a
+restart does only the lines its files do not answer. Cancelling stops its requests; what was answered stays in
+its files."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.batch.answering import AnsweredLine, BatchAnswerer
@@ -25,10 +27,30 @@ logger = logging.getLogger(__name__)
 # this long apart at first, doubling (some 30 s in all).
 ATTEMPTS = 6
 RETRY_AFTER_S = 1.0
-# How often a running batch's record (its counts) is saved and its cancellation looked for.
+# How often running batches' records (their counts) are saved; how often the store is looked at for new batches
+# besides when one is created.
 CHECK_EVERY_S = 0.5
+SCAN_EVERY_S = 5.0
 # The most validation errors a failed batch lists.
 MAX_LISTED_ERRORS = 16
+
+
+@dataclass
+class _Running:
+    """A batch being answered: its record, the lines still to send, the requests in flight."""
+
+    tenant: str
+    batch: dict[str, Any]
+    pending: Iterator[str]
+    answerer: BatchAnswerer
+    in_flight: set[asyncio.Task[AnsweredLine]] = field(default_factory=set)
+    sent_all: bool = False
+    saved_at: float = 0.0
+
+    def next_line(self) -> str | None:
+        text = next(self.pending, None)
+        self.sent_all = text is None
+        return text
 
 
 class BatchRunner:
@@ -37,50 +59,71 @@ class BatchRunner:
         self.answerer_for = answerer_for  # a tenant's answerer (its cache salt)
         self.concurrency = concurrency
         self._wake = asyncio.Event()
-        self._running: dict[str, Any] | None = None  # the record of the batch running now
+        self._running: dict[str, _Running] = {}  # by batch id
 
     def wake(self) -> None:
         """A batch was created: look at the store now."""
         self._wake.set()
 
     def cancel(self, tenant: str, batch_id: str) -> dict[str, Any]:
-        """Cancel a batch (StoreError where it has ended otherwise): the running one stops its requests at once."""
+        """Cancel a batch (StoreError where it has ended otherwise): a running one stops its requests at once."""
         self.store.batch(tenant, batch_id)  # the tenant's own, or not found
-        running = self._running
-        if running is None or running["id"] != batch_id:
+        running = self._running.get(batch_id)
+        if running is None:
             return self.store.cancel_batch(tenant, batch_id)
-        if running["status"] in ("validating", "in_progress"):
-            running["status"], running["cancelling_at"] = "cancelling", int(time.time())
-            self.store.save_batch(tenant, running)
-        return dict(running)
+        batch = running.batch
+        if batch["status"] == "in_progress":
+            batch["status"], batch["cancelling_at"] = "cancelling", int(time.time())
+            self.store.save_batch(tenant, batch)
+        self.wake()
+        return dict(batch)
 
     async def run(self) -> None:
-        """Run unfinished batches as they come, forever."""
-        while True:
-            for tenant, batch in self.store.unfinished():
-                try:
-                    await self.run_batch(tenant, batch)
-                except Exception:  # a fault of the store's or the server's: the batch fails, the runner goes on
-                    logger.exception("batch %s failed", batch["id"])
-                    self._end(tenant, self.store.batch(tenant, batch["id"]), "failed")
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=CHECK_EVERY_S * 4)
-            except TimeoutError:
-                pass
-
-    async def run_batch(self, tenant: str, batch: dict[str, Any]) -> None:
-        batch = self.store.batch(tenant, batch["id"])  # as it is now (cancelled since the runner listed it?)
-        self._running = batch
+        """Run batches as they come, forever."""
+        next_scan = 0.0
         try:
-            await self._run(tenant, batch)
+            while True:
+                if self._wake.is_set() or time.monotonic() >= next_scan:
+                    self._wake.clear()
+                    self._take_new()
+                    next_scan = time.monotonic() + SCAN_EVERY_S
+                self._fill_slots()
+                tasks = {task for running in self._running.values() for task in running.in_flight}
+                woken = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({*tasks, woken}, timeout=CHECK_EVERY_S if tasks else SCAN_EVERY_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+                for running in list(self._running.values()):
+                    try:
+                        self._settle(running)
+                    except Exception:  # the store failed it: the batch fails, the runner goes on
+                        logger.exception("batch %s failed", running.batch["id"])
+                        self._running.pop(running.batch["id"], None)
+                        self._end(running.tenant, running.batch, "failed")
         finally:
-            self._running = None
+            for running in self._running.values():
+                for task in running.in_flight:
+                    task.cancel()
 
-    async def _run(self, tenant: str, batch: dict[str, Any]) -> None:
+    def _take_new(self) -> None:
+        """Start the store's unfinished batches that are not running yet (validated first)."""
+        for tenant, batch in self.store.unfinished():
+            if batch["id"] in self._running:
+                continue
+            try:
+                running = self._start(tenant, batch)
+            except Exception:  # a fault of the store's or the server's: the batch fails, the runner goes on
+                logger.exception("batch %s failed", batch["id"])
+                self._end(tenant, self.store.batch(tenant, batch["id"]), "failed")
+                continue
+            if running is not None:
+                self._running[batch["id"]] = running
+
+    def _start(self, tenant: str, batch: dict[str, Any]) -> _Running | None:
+        """A batch made ready to answer: validated (and its files made) if new; None where it has ended here."""
         if batch["status"] == "cancelling":
             self._end(tenant, batch, "cancelled")
-            return
+            return None
         lines = self.store.content(tenant, batch["input_file_id"]).decode("utf-8", errors="replace").splitlines()
         lines = [line for line in lines if line.strip()]
         if batch["status"] == "validating":
@@ -88,7 +131,7 @@ class BatchRunner:
             if errors:
                 batch["errors"] = {"object": "list", "data": errors}
                 self._end(tenant, batch, "failed")
-                return
+                return None
             name = batch["id"]
             batch["output_file_id"] = self.store.new_output_file(tenant, f"{name}_output.jsonl")["id"]
             batch["error_file_id"] = self.store.new_output_file(tenant, f"{name}_error.jsonl")["id"]
@@ -97,9 +140,44 @@ class BatchRunner:
             batch["model"] = self._model(lines)
             self.store.save_batch(tenant, batch)
         answered = self._answered(tenant, batch)
-        todo = [line for line in lines if line_key(line) not in answered]
-        ended = await self._answer(tenant, batch, todo)
-        self._end(tenant, batch, ended)
+        todo = iter([line for line in lines if line_key(line) not in answered])
+        return _Running(tenant, batch, todo, self.answerer_for(tenant))
+
+    def _fill_slots(self) -> None:
+        """Send lines while slots are free: a line from each running batch in turn."""
+        free = self.concurrency - sum(len(running.in_flight) for running in self._running.values())
+        while free > 0:
+            sending = [r for r in self._running.values() if not r.sent_all and r.batch["status"] == "in_progress"]
+            if not sending:
+                return
+            for running in sending:
+                text = running.next_line() if free > 0 else None
+                if text is not None:
+                    running.in_flight.add(asyncio.create_task(_answer_line(running.answerer, text)))
+                    free -= 1
+
+    def _settle(self, running: _Running) -> None:
+        """Record what a batch's finished requests answered; end it when it is done, cancelled or expired."""
+        done = {task for task in running.in_flight if task.done()}
+        running.in_flight -= done
+        self._record(running.tenant, running.batch, [task.result() for task in done if not task.cancelled()])
+        batch = running.batch
+        ended = None
+        if batch["status"] == "cancelling":
+            ended = "cancelled"
+        elif time.time() > batch["expires_at"]:
+            ended = "expired"
+        elif running.sent_all and not running.in_flight:
+            ended = "completed"
+        if ended is None:
+            if time.monotonic() - running.saved_at >= CHECK_EVERY_S:
+                running.saved_at = time.monotonic()
+                self.store.save_batch(running.tenant, batch)
+            return
+        for task in running.in_flight:
+            task.cancel()
+        del self._running[batch["id"]]
+        self._end(running.tenant, batch, ended)
 
     def _validate(self, lines: list[str], endpoint: str) -> list[dict[str, Any]]:
         """OpenAI's checks of a batch's input file: its errors (none for a file that can run)."""
@@ -143,33 +221,6 @@ class BatchRunner:
                 if key is not None:
                     keys.add(key)
         return keys
-
-    async def _answer(self, tenant: str, batch: dict[str, Any], todo: list[str]) -> str:
-        """Answer `todo`, at most `concurrency` at once; the status the batch ends in."""
-        answerer = self.answerer_for(tenant)
-        pending = iter(todo)
-        running: set[asyncio.Task[AnsweredLine]] = set()
-        last_check = time.monotonic()
-        try:
-            while True:
-                while len(running) < self.concurrency and (text := next(pending, None)) is not None:
-                    running.add(asyncio.create_task(_answer_line(answerer, text)))
-                if not running:
-                    return "completed"
-                done, running = await asyncio.wait(running, timeout=CHECK_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
-                self._record(tenant, batch, [task.result() for task in done])
-                if batch["status"] == "cancelling":
-                    return "cancelled"
-                if time.monotonic() - last_check >= CHECK_EVERY_S:
-                    last_check = time.monotonic()
-                    self.store.save_batch(tenant, batch)
-                    if time.time() > batch["expires_at"]:
-                        return "expired"
-        finally:
-            for task in running:
-                task.cancel()
-            if running:
-                await asyncio.wait(running)
 
     def _record(self, tenant: str, batch: dict[str, Any], answered: list[AnsweredLine]) -> None:
         good = [a.result for a in answered if not a.failed]

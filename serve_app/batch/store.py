@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.batch.file_format import BATCH_URLS
+from serve_app.http.batches import StoreError
 
 # The purposes a file may be uploaded with (OpenAI's others are for routes this server does not have), and the
 # purpose of the files a batch writes.
@@ -24,17 +25,6 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}
 # A batch in one of these statuses has ended: its record changes no more.
 ENDED = ("failed", "completed", "expired", "cancelled")
 TENANT_FILE = "tenant"
-
-
-class StoreError(Exception):
-    """What the store refuses: `kind` `invalid_request` (a 400), `not_found` (404) or `too_large` (413), the field."""
-
-    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.kind, self.message, self.param = kind, message, param
-
-    def __reduce__(self) -> tuple[type, tuple[str, str, str | None]]:
-        return StoreError, (self.kind, self.message, self.param)
 
 
 @dataclass(frozen=True)

@@ -32,16 +32,13 @@ def add_batch(commands: argparse._SubParsersAction) -> None:
 
 
 def _batch(args: argparse.Namespace) -> None:
-    import ray
-
     from deployments.batch.job import BatchJob, run_batch
 
     if args.concurrency is not None and args.concurrency < 1 or args.batch_size < 1:
         sys.exit("serve-app batch: --concurrency and --batch-size are at least 1")
     job = BatchJob(args.input, args.output, args.config, args.model, args.concurrency, args.batch_size)
-    ray.init(address=args.address)
     try:
-        summary = run_batch(job)
+        summary = run_batch(job, args.address)
     except (ValueError, FileNotFoundError) as error:
         sys.exit(f"serve-app batch: {error}")
     print(summary.text())

@@ -10,10 +10,8 @@ from typing import Any
 
 from fastapi import Request
 
-from serve_app.batch.answering import BatchAnswerer
-from serve_app.batch.service import Batches, BatchService
-from serve_app.batch.store import BatchStore
-from serve_app.config import ServerConfig, default_cache_dir
+from serve_app.config import ServerConfig
+from serve_app.http.batches import Batches
 from serve_app.http.body import read_json
 from serve_app.http.engine_client import EngineClient
 from serve_app.http.protocols.errors import ProtocolError, invalid
@@ -37,7 +35,7 @@ class ServerContext:
     metrics: ServerMetrics | None = None  # None: one in this process, named as the config says
     tenants: TenantDirectory = field(default_factory=TenantDirectory.open)
     responses: Responses | None = None  # the Responses API's store; None: one in this process
-    batches: Batches | None = None  # the Batch API's files and batches; None: served in this process
+    batches: Batches | None = None  # the Batch API's files and batches (`BatchService.serving`); None: not served
     slots: TenantSlots = field(init=False)
     limits: RequestLimits = field(init=False)
 
@@ -50,15 +48,6 @@ class ServerContext:
             )
         self.slots = TenantSlots(self.config.max_concurrent_per_tenant)
         self.limits = RequestLimits.from_config(self.config)
-        if self.batches is None:
-            self.batches = BatchService(batch_store(self.config), self.batch_answerer, self.config.batch_concurrency)
-
-    def batch_answerer(self, tenant_id: str) -> BatchAnswerer:
-        """How a tenant's batch lines are answered: by the served models, within the limits, under its cache salt,
-        behind online requests."""
-        tenant = Tenant(tenant_id, "user")
-        salt = lambda client_salt: self.tenant_salt(tenant, client_salt)  # noqa: E731
-        return BatchAnswerer(self.models, self.limits, salt, self.metrics, background=True)
 
     def caller(self, request: Request, admin: bool = False) -> Tenant:
         """Who sent `request` (`Authorization: Bearer <key>` or `x-api-key`): 401 when unknown, 403 when not admin."""
@@ -118,14 +107,6 @@ class ServerContext:
             except ValueError as error:
                 raise invalid(f"cache_salt: {error}", "cache_salt") from None
         return self.tenants.tenant_salt(tenant, client_salt or "")
-
-
-def batch_store(config: ServerConfig) -> BatchStore:
-    """The Batch API's store as `config` places and bounds it."""
-    return BatchStore(
-        config.batch_files_path or default_cache_dir() / "batches", config.max_batch_file_bytes,
-        config.max_batch_bytes_per_tenant, config.max_batch_lines,
-    )
 
 
 def context_of(request: Request) -> ServerContext:

@@ -1,7 +1,7 @@
 """How the HTTP layer reaches an engine: the `EngineClient` interface, and `LocalEngineClient` with no Ray handle
 between (an engine in process, or the engine process of the client's own actor).
 
-Serve's ingress has its own client made of Ray handles (`deployments.ingress.RayEngineClient`).
+Serve's ingress has its own client made of Ray handles (`deployments.engine_clients.RayEngineClient`).
 Either way an engine's refusal arrives as a `RequestRefused` and leaves the client as a
 `ProtocolError` (`ProtocolError.of`), before any delta.
 """

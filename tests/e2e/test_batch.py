@@ -33,9 +33,11 @@ ENGINE_ACTOR_TASK = "MapWorker(MapBatches(BatchEngine)).submit"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, head_only: Path) -> Iterator[TwoNodeCluster]:
     nodes = TwoNodeCluster(tmp_path_factory.mktemp("batch-cluster"), head_only)
-    nodes.wait_for_both_nodes()
-    yield nodes
-    nodes.stop()
+    try:
+        nodes.wait_for_both_nodes()
+        yield nodes
+    finally:
+        nodes.stop()
 
 
 @pytest.fixture(scope="module")

@@ -397,6 +397,28 @@ def test_the_responses_api_through_serve(served: ServeRun, oai: openai.OpenAI) -
     assert isinstance(weather, str) and weather.startswith("18 degrees and sunny in ")
 
 
+def test_a_batch_api_batch_answers_as_the_online_route_does(oai: openai.OpenAI) -> None:
+    """The OpenAI SDK's batch round trip on the card's command: each greedy answer is the online route's."""
+    questions = ["What is the capital of France?", "Name a primary colour.", "Say hello."]
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 12, "temperature": 0}}
+             for i, q in enumerate(questions)]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    file_id = oai.files.create(file=("questions.jsonl", text.encode()), purpose="batch").id
+    batch = oai.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := oai.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.25)
+    assert batch.status == "completed" and batch.request_counts.completed == 3
+    answers = {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"]
+               for line in map(json.loads, oai.files.content(batch.output_file_id).text.splitlines())}
+    for i, question in enumerate(questions):
+        online = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                             max_tokens=12, temperature=0)
+        assert answers[f"q{i}"] == online.choices[0].message.content
+
+
 def test_the_benchmark_clients_count_a_streamed_chat_and_completion_alike(served: ServeRun) -> None:
     """`bench compare`'s two workloads: a chat's tokens come from its usage, a completion's from its token ids."""
 

@@ -7,7 +7,6 @@ import io
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -128,6 +127,23 @@ def test_tenants_never_see_each_others_files_or_batches(server: InProcessServer)
     assert until_ended(acme, batch.id).status == "completed"
     with pytest.raises(openai.AuthenticationError):
         client(server, "no-such-key").files.list()
+
+
+def test_one_tenants_long_batch_does_not_hold_back_anothers(server: InProcessServer) -> None:
+    acme, globex = client(server, "key-a"), client(server, "key-b")
+    long_lines = [request(f"q{i}", f"Count from one to fifty, run {i}.", max_tokens=48, ignore_eos=True) for i in range(24)]
+    long = acme.batches.create(input_file_id=upload(acme, long_lines), endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    deadline = time.monotonic() + 60
+    while acme.batches.retrieve(long.id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    short = globex.batches.create(input_file_id=upload(globex, [request("a", "Hi."), request("b", "Hello.")]),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    assert until_ended(globex, short.id).status == "completed"
+    assert acme.batches.retrieve(long.id).status == "in_progress"  # the short batch took its turns beside it
+    acme.batches.cancel(long.id)
+    assert until_ended(acme, long.id).status == "cancelled"
 
 
 def test_uploads_and_batches_are_bounded_and_their_fields_checked(server: InProcessServer) -> None:

@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import JSONResponse, Response
 
-from serve_app.batch.store import StoreError
+from serve_app.http.batches import Batches, StoreError
 from serve_app.http.body import read_form, read_json
-from serve_app.http.context import context_of
+from serve_app.http.context import ServerContext, context_of
 from serve_app.http.protocols.errors import ProtocolError, invalid
 from serve_app.http.protocols.openai.builders import ERRORS
 from serve_app.http.routes.answering import answers_in
@@ -22,6 +22,13 @@ answers = answers_in(ERRORS)
 
 # What a multipart upload may carry besides its file: room for the form's own overhead.
 FORM_OVERHEAD_BYTES = 64 * 1024
+
+
+def batches_of(context: ServerContext) -> Batches:
+    """The server's Batch API (404 where it has none)."""
+    if context.batches is None:
+        raise ProtocolError("not_found", "this server has no Batch API")
+    return context.batches
 
 
 async def stored(call: Awaitable[Any]) -> Any:
@@ -63,7 +70,7 @@ async def upload_file(request: Request) -> Response:
     if not isinstance(purpose, str):
         raise invalid("purpose: required (batch)", "purpose")
     data = await upload.read()
-    return JSONResponse(await stored(context.batches.add_file(tenant.id, upload.filename or "upload", purpose, data)))
+    return JSONResponse(await stored(batches_of(context).add_file(tenant.id, upload.filename or "upload", purpose, data)))
 
 
 @router.get("/v1/files")
@@ -75,31 +82,32 @@ async def list_files(request: Request) -> Response:
     order = request.query_params.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid("order: asc or desc", "order")
-    page = context.batches.files(
+    page = batches_of(context).files(
         tenant.id, request.query_params.get("purpose"), request.query_params.get("after"),
         query_int(request, "limit", 10_000, 10_000), order,
     )
     return JSONResponse(await stored(page))
 
 
-def _file_route(answer: Callable[[Any, str, str], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+def _file_route(answer: Callable[[Batches, str, str], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """A route on one of the caller's files: `answer(batches, tenant, file_id)`."""
     @answers
     async def route(request: Request) -> Response:
         context = context_of(request)
-        return await answer(context.batches, context.caller(request).id, request.path_params["file_id"])
+        return await answer(batches_of(context), context.caller(request).id, request.path_params["file_id"])
 
     return route
 
 
-async def _file(batches: Any, tenant: str, file_id: str) -> Response:
+async def _file(batches: Batches, tenant: str, file_id: str) -> Response:
     return JSONResponse(await stored(batches.file(tenant, file_id)))
 
 
-async def _content(batches: Any, tenant: str, file_id: str) -> Response:
+async def _content(batches: Batches, tenant: str, file_id: str) -> Response:
     return Response(await stored(batches.content(tenant, file_id)), media_type="application/jsonl")
 
 
-async def _delete(batches: Any, tenant: str, file_id: str) -> Response:
+async def _delete(batches: Batches, tenant: str, file_id: str) -> Response:
     return JSONResponse(await stored(batches.delete_file(tenant, file_id)))
 
 
@@ -114,7 +122,7 @@ async def create_batch(request: Request) -> Response:
     context = context_of(request)
     tenant = context.caller(request)
     body = await read_json(request, context.config.max_request_bytes)
-    return JSONResponse(await stored(context.batches.create_batch(tenant.id, body)))
+    return JSONResponse(await stored(batches_of(context).create_batch(tenant.id, body)))
 
 
 @router.get("/v1/batches")
@@ -123,7 +131,7 @@ async def list_batches(request: Request) -> Response:
     context = context_of(request)
     tenant = context.caller(request)
     known_query(request, "limit", "after")
-    page = context.batches.batches(tenant.id, request.query_params.get("after"), query_int(request, "limit", 20, 100))
+    page = batches_of(context).batches(tenant.id, request.query_params.get("after"), query_int(request, "limit", 20, 100))
     return JSONResponse(await stored(page))
 
 
@@ -131,7 +139,7 @@ async def list_batches(request: Request) -> Response:
 @answers
 async def get_batch(request: Request) -> Response:
     context = context_of(request)
-    return JSONResponse(await stored(context.batches.batch(context.caller(request).id, request.path_params["batch_id"])))
+    return JSONResponse(await stored(batches_of(context).batch(context.caller(request).id, request.path_params["batch_id"])))
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
@@ -139,4 +147,4 @@ async def get_batch(request: Request) -> Response:
 async def cancel_batch(request: Request) -> Response:
     context = context_of(request)
     tenant = context.caller(request)
-    return JSONResponse(await stored(context.batches.cancel_batch(tenant.id, request.path_params["batch_id"])))
+    return JSONResponse(await stored(batches_of(context).cancel_batch(tenant.id, request.path_params["batch_id"])))
