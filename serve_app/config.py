@@ -119,6 +119,11 @@ class SchedulerConfig(_Strict):
         "then arrival; under memory pressure the last of that order is preempted), as vLLM's",
     )
     max_num_batched_tokens: int = Field(512, ge=1, description="tokens in one forward at most")
+    background_step_s: float = Field(
+        0.03, gt=0,
+        description="a batch's (background) tasks add about this much time at most to a step, by the recent steps' "
+        "times (and at least one token): an online request that arrives waits no longer for the step in flight",
+    )
     max_waiting_requests: int = Field(1024, ge=1, description="requests waiting for admission at most; more are refused")
     max_pending_calls: int = Field(16, ge=1, description="KV and other calls waiting for the scheduler at most")
     call_timeout_s: float = Field(60.0, gt=0, description="a call not taken by the scheduler in this time is dropped")
@@ -208,6 +213,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "scheduling_policy": ("scheduler", "scheduling_policy"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "background_step_s": ("scheduler", "background_step_s"),
     "max_waiting_requests": ("scheduler", "max_waiting_requests"),
     "max_pending_calls": ("scheduler", "max_pending_calls"),
     "call_timeout_s": ("scheduler", "call_timeout_s"),

@@ -3,8 +3,9 @@
 Each round it makes room for every running decode (preempting the task the scheduling policy ranks last,
 by recompute, when pages run out), admits waiting tasks in the policy's order while memory lasts, and packs all
 decode tokens (with their proposed tokens, under speculative decoding) and prefill chunks into one batch. A
-batch's (background) tasks come after online ones in each of those, prefill only in small chunks, and sit out
-every step in which an online task waits or prefills. After the forward
+batch's (background) tasks come after online ones in each of those, sit out every step in which an online task
+waits or prefills, and add to the others only as many tokens as take about `background_step_s` (by the recent
+steps' times), so that an online request that arrives finds no long step in its way. After the forward
 it records what the cache now holds, and after sampling it publishes each task's output or ends it.
 The loop (`loop.py`) calls it from the engine's thread; the step (`step.py`) runs the model.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from serve_app.config import SchedulerConfig
 from serve_app.engine.emitting import Emitted
 from serve_app.engine.speculation import Speculator
+from serve_app.engine.step_cost import StepCost
 from serve_app.engine.task import CachePin, Task, TaskState
 from serve_app.engine.tier_loading import TierLoading
 from serve_app.engine.waiting import WaitingQueue
@@ -30,8 +32,7 @@ from serve_app.wire.outputs import CoreOutput
 
 logger = logging.getLogger(__name__)
 
-# A batch's tasks prefill at most this fraction (1/N) of a step's token budget: an online request that arrives
-# meanwhile finds no long step in its way.
+# A batch's tasks prefill at most this fraction (1/N) of a step's token budget (before steps' times are known).
 BACKGROUND_PREFILL_SHARE = 4
 
 
@@ -82,6 +83,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.speculator = speculator
         self.stats = SchedulerStats()
+        self.step_cost = StepCost()
+        self._background_next = 0  # the id from which a batch's tasks take their turns in the next step
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Task] = []
         self.tiers: TierLoading | None = None  # the KV tiers behind a paged cache, when configured
@@ -137,7 +140,9 @@ class Scheduler:
         task.admission.pin = None
 
     def ran(self, batch: Batch, seconds: float) -> None:
-        """A whole batch ran in `seconds`: a decode-only one's time tells speculation what proposals cost."""
+        """A whole batch ran in `seconds`: what a step costs by its tokens; a decode-only one's time tells
+        speculation what proposals cost."""
+        self.step_cost.record(sum(entry.num_new for entry in batch.entries), seconds)
         if self.speculator is not None and batch.is_decode_only:
             self.speculator.step_times.record(sum(entry.num_new for entry in batch.entries), seconds)
 
@@ -231,22 +236,47 @@ class Scheduler:
         if self.speculator is not None and decodes and self.speculator.proposes_at(len(decodes)):
             self._propose(decodes, budget - len(decodes))
         scheduled: list[tuple[BatchEntry, Task]] = []
-        background_budget = max(1, self.config.max_num_batched_tokens // BACKGROUND_PREFILL_SHARE)
         # While an online task waits or prefills, its first token comes first: the step is the online tasks' alone.
         online_first = self.waiting.has_online or any(t.is_prefilling and not t.admission.background for t in self.running)
         runnable = [task for task in self.running if not (online_first and task.admission.background)]
-        for task in sorted(runnable, key=lambda t: (t.is_prefilling, t.admission.background)):
-            background_prefill = task.is_prefilling and task.admission.background
-            chunk = min(task.num_tokens - task.num_computed, min(budget, background_budget) if background_prefill else budget)
+        background_budget = self._background_budget()
+        background_prefill_budget = max(1, self.config.max_num_batched_tokens // BACKGROUND_PREFILL_SHARE)
+        for task in self._in_turn(runnable):
+            background = task.admission.background
+            wanted = task.num_tokens - task.num_computed + len(task.drafts)  # a decode's token and its proposals
+            if background and task.is_prefilling:
+                wanted = min(wanted, background_prefill_budget)
+            chunk = min(wanted, budget, background_budget) if background else min(wanted, budget)
             if chunk <= 0:
+                if background:
+                    continue  # a batch's task sits this step out
                 break
-            if background_prefill:
+            if task.drafts and chunk < wanted:
+                continue  # its proposals ride whole or not at all: it sits this step out
+            if background:
                 background_budget -= chunk
-            budget -= chunk + len(task.drafts)
-            scheduled.append((BatchEntry(task.task_id, task.num_computed, chunk + len(task.drafts), bool(task.drafts)), task))
+                if task.is_prefilling:
+                    background_prefill_budget -= chunk
+                self._background_next = task.task_id + 1
+            budget -= chunk
+            scheduled.append((BatchEntry(task.task_id, task.num_computed, chunk, bool(task.drafts)), task))
         # Decode rows first, longest context first, so the attention can group similar lengths.
         scheduled.sort(key=lambda pair: (not pair[0].is_decode, -pair[0].end))
         return Batch([entry for entry, _ in scheduled], [task for _, task in scheduled])
+
+    def _in_turn(self, runnable: list[Task]) -> list[Task]:
+        """Online decodes, then online prefills, then a batch's tasks in turn by id, from the one after the last
+        that ran: where a step holds only some of them, every batch's tasks move alike."""
+        online = sorted((task for task in runnable if not task.admission.background), key=lambda t: t.is_prefilling)
+        background = sorted((task for task in runnable if task.admission.background), key=lambda t: t.task_id)
+        first = next((i for i, task in enumerate(background) if task.task_id >= self._background_next), 0)
+        return [*online, *background[first:], *background[:first]]
+
+    def _background_budget(self) -> int:
+        """A batch's tokens this step may hold: as many as add about `background_step_s` to it (one at least),
+        unbounded until the steps' cost is known."""
+        adding = self.step_cost.tokens_adding(self.config.background_step_s)
+        return self.config.max_num_batched_tokens if adding is None else max(1, adding)
 
     def _propose(self, decodes: list[Task], spare: int) -> None:
         """Set the decodes' `drafts`: the proposals found for each that the step keeps, `spare` tokens at most,

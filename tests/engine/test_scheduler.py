@@ -179,8 +179,9 @@ def test_a_batchs_tasks_wait_behind_online_ones_and_sit_out_their_prefills() -> 
     scheduler.add([later, online])
     assert [t.task_id for t in scheduler.waiting] == [3, 4]  # the online task waits first
     assert _spans(_step(scheduler)) == [(3, 0, 12)]  # it prefills alone: the batch sits the step out
-    assert _spans(_step(scheduler)) == [(3, 12, 1), (1, 4, 4)]  # its decode, then the batch's chunk again
-    for _ in range(3):
+    assert _spans(_step(scheduler)) == [(3, 12, 1), (2, 0, 4)]  # its decode, then the batch's next task's chunk
+    assert _spans(_step(scheduler)) == [(3, 13, 1), (4, 0, 4)]  # the batch's tasks take turns
+    for _ in range(2):
         _step(scheduler)
     decoding = [t for t in batch if not t.is_prefilling]
     assert decoding, "a batch task decodes by now"
@@ -203,3 +204,30 @@ def test_an_online_task_takes_memory_from_a_batchs_task() -> None:
         pass
     assert _result(online).finish_reason == "length" and _result(background).finish_reason == "length"
     assert scheduler.cache.usage().free == 6
+
+
+def test_a_batchs_tokens_add_at_most_the_background_step_time_to_a_step() -> None:
+    scheduler = _scheduler(pages=64, max_num_seqs=12, max_num_batched_tokens=64, background_step_s=0.0085)
+    batch = [_task(i, [i] * 3, max_tokens=40, background=True) for i in range(1, 11)]
+    scheduler.add(batch)
+    assert sum(entry.num_new for entry in _step(scheduler).entries) == 16  # steps' cost not known: a prefill share
+    for tokens in (2, 10, 30) * 4:  # steps cost 2 ms plus 1 ms a token: 8 tokens add 8 ms
+        scheduler.step_cost.record(tokens, 0.002 + 0.001 * tokens)
+    for _ in range(3):
+        assert sum(entry.num_new for entry in _step(scheduler).entries) == 8  # of 30 prompt tokens and 10 decodes
+    for _ in range(10):
+        if not any(task.is_prefilling for task in batch):
+            break
+        assert sum(entry.num_new for entry in _step(scheduler).entries) == 8
+    turns = [task.num_output for task in batch]
+    for _ in range(5):  # ten decodes, eight a step: they take turns
+        assert len(_step(scheduler).entries) == 8
+    assert [task.num_output - before for task, before in zip(batch, turns)] == [4] * 10
+    online = _task(20, [5] * 3, max_tokens=40)
+    scheduler.add([online])
+    assert _spans(_step(scheduler)) == [(20, 0, 3)]  # its prefill alone
+    for _ in range(3):  # its decode row beside eight of the batch's tokens
+        entries = _step(scheduler).entries
+        assert sum(entry.num_new for entry in entries) == 9 and sum(entry.task_id == 20 for entry in entries) == 1
+    scheduler.config = scheduler.config.model_copy(update={"background_step_s": 0.0001})  # less than a token's cost
+    assert len(_step(scheduler).entries) == 2  # one of the batch's tokens a step, never none
