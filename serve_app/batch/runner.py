@@ -144,7 +144,8 @@ class BatchRunner:
         return _Running(tenant, batch, todo, self.answerer_for(tenant))
 
     def _fill_slots(self) -> None:
-        """Send lines while slots are free: a line from each running batch in turn."""
+        """Send lines while slots are free: a line from each running batch in turn (the batch that sent last goes
+        last, also from one call to the next, where slots free up one at a time)."""
         free = self.concurrency - sum(len(running.in_flight) for running in self._running.values())
         while free > 0:
             sending = [r for r in self._running.values() if not r.sent_all and r.batch["status"] == "in_progress"]
@@ -155,6 +156,8 @@ class BatchRunner:
                 if text is not None:
                     running.in_flight.add(asyncio.create_task(_answer_line(running.answerer, text)))
                     free -= 1
+                    batch_id = running.batch["id"]
+                    self._running[batch_id] = self._running.pop(batch_id)  # its next turn comes after the others'
 
     def _settle(self, running: _Running) -> None:
         """Record what a batch's finished requests answered; end it when it is done, cancelled or expired."""
