@@ -72,20 +72,22 @@ class BatchStore:
                 "too_large", f"file: the tenant's files would hold {held + len(data)} bytes, over "
                 f"max_batch_bytes_per_tenant={self.max_tenant_bytes}; delete some first", "file",
             )
-        file = {"id": f"file-{secrets.token_hex(12)}", "object": "file", "bytes": len(data), "created_at": int(time.time()),
-                "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None}
+        record = {"id": f"file-{secrets.token_hex(12)}", "object": "file", "created_at": int(time.time()),
+                  "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None}
         folder = self._folder(tenant, "files")
-        _write(folder / f"{file['id']}.data", data)
-        _write(folder / f"{file['id']}.json", json.dumps(file).encode())
-        return file
+        _write(folder / f"{record['id']}.data", data)
+        _write(folder / f"{record['id']}.json", json.dumps(record).encode())
+        return {**record, "bytes": len(data)}
 
     def file(self, tenant: str, file_id: str, param: str | None = None) -> dict[str, Any]:
         path = self._folder(tenant, "files") / f"{_checked_id(file_id, 'file-')}.json"
         if not path.is_file():
             raise StoreError("not_found", f"{param + ': ' if param else ''}no file {file_id!r}", param)
-        file = json.loads(path.read_text())
-        file["bytes"] = self.content_path(tenant, file_id).stat().st_size
-        return file
+        return self._sized(tenant, json.loads(path.read_text()))
+
+    def _sized(self, tenant: str, record: dict[str, Any]) -> dict[str, Any]:
+        """A File object: its record, and its bytes as they are now (a batch's output files grow)."""
+        return {**record, "bytes": self.content_path(tenant, record["id"]).stat().st_size}
 
     def content_path(self, tenant: str, file_id: str) -> Path:
         return self._folder(tenant, "files") / f"{_checked_id(file_id, 'file-')}.data"
@@ -95,14 +97,19 @@ class BatchStore:
         return self.content_path(tenant, file_id).read_bytes()
 
     def files(self, tenant: str, purpose: str | None, after: str | None, limit: int, order: str) -> Page:
-        files = [json.loads(path.read_text()) for path in self._folder(tenant, "files").glob("file-*.json")]
-        files = [file for file in files if purpose is None or file["purpose"] == purpose]
-        for file in files:
-            file["bytes"] = self.content_path(tenant, file["id"]).stat().st_size
+        records = [json.loads(path.read_text()) for path in self._folder(tenant, "files").glob("file-*.json")]
+        files = [self._sized(tenant, record) for record in records if purpose is None or record["purpose"] == purpose]
         return _page(files, after, limit, descending=order == "desc")
 
     def delete_file(self, tenant: str, file_id: str) -> dict[str, Any]:
+        """Delete a file, unless a batch that has not ended reads or writes it."""
         self.file(tenant, file_id)
+        for batch in self._batch_records(tenant):
+            if batch["status"] not in ENDED and file_id in (batch["input_file_id"], batch["output_file_id"], batch["error_file_id"]):
+                raise StoreError(
+                    "invalid_request", f"file {file_id!r} belongs to batch {batch['id']!r}, which is {batch['status']}: "
+                    "cancel it, or wait for it to end, first",
+                )
         for suffix in (".json", ".data"):
             (self._folder(tenant, "files") / f"{file_id}{suffix}").unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
@@ -158,8 +165,10 @@ class BatchStore:
         return json.loads(path.read_text())
 
     def batches(self, tenant: str, after: str | None, limit: int) -> Page:
-        batches = [json.loads(path.read_text()) for path in self._folder(tenant, "batches").glob("batch_*.json")]
-        return _page(batches, after, limit, descending=True)
+        return _page(self._batch_records(tenant), after, limit, descending=True)
+
+    def _batch_records(self, tenant: str) -> list[dict[str, Any]]:
+        return [json.loads(path.read_text()) for path in self._folder(tenant, "batches").glob("batch_*.json")]
 
     def save_batch(self, tenant: str, batch: dict[str, Any]) -> None:
         _write(self._folder(tenant, "batches") / f"{batch['id']}.json", json.dumps(batch).encode())

@@ -100,14 +100,18 @@ def test_a_cancelled_batch_stops_and_keeps_what_it_answered(server: InProcessSer
     file_id = upload(oai, [request(f"q{i}", f"Count from one to a hundred, run {i}.", max_tokens=200) for i in range(30)])
     batch = oai.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     deadline = time.monotonic() + 60
-    while oai.batches.retrieve(batch.id).status != "in_progress":
+    while (running := oai.batches.retrieve(batch.id)).status != "in_progress":
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    for used in (file_id, running.output_file_id, running.error_file_id):  # a running batch's files stay
+        with pytest.raises(openai.BadRequestError, match="cancel it"):
+            oai.files.delete(used)
     assert oai.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     batch = until_ended(oai, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at
     assert batch.request_counts.completed < 30
     assert len(results(oai, batch.output_file_id)) == batch.request_counts.completed
+    assert oai.files.delete(batch.output_file_id).deleted  # ended: its files may go
     with pytest.raises(openai.BadRequestError):
         oai.batches.cancel(until_ended(oai, oai.batches.create(
             input_file_id=upload(oai, [request("x", "hi")]), endpoint="/v1/chat/completions", completion_window="24h").id).id)

@@ -3,7 +3,7 @@ and `/v1/batches` (create, retrieve, list, cancel), answered from the server's `
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -89,31 +89,31 @@ async def list_files(request: Request) -> Response:
     return JSONResponse(await stored(page))
 
 
-def _file_route(answer: Callable[[Batches, str, str], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """A route on one of the caller's files: `answer(batches, tenant, file_id)`."""
-    @answers
-    async def route(request: Request) -> Response:
-        context = context_of(request)
-        return await answer(batches_of(context), context.caller(request).id, request.path_params["file_id"])
-
-    return route
+def _callers_file(request: Request) -> tuple[Batches, str, str]:
+    """The server's Batch API, the caller's tenant and the file the path names."""
+    context = context_of(request)
+    return batches_of(context), context.caller(request).id, request.path_params["file_id"]
 
 
-async def _file(batches: Batches, tenant: str, file_id: str) -> Response:
+@router.get("/v1/files/{file_id}")
+@answers
+async def retrieve_file(request: Request) -> Response:
+    batches, tenant, file_id = _callers_file(request)
     return JSONResponse(await stored(batches.file(tenant, file_id)))
 
 
-async def _content(batches: Batches, tenant: str, file_id: str) -> Response:
+@router.get("/v1/files/{file_id}/content")
+@answers
+async def file_content(request: Request) -> Response:
+    batches, tenant, file_id = _callers_file(request)
     return Response(await stored(batches.content(tenant, file_id)), media_type="application/jsonl")
 
 
-async def _delete(batches: Batches, tenant: str, file_id: str) -> Response:
+@router.delete("/v1/files/{file_id}")
+@answers
+async def delete_file(request: Request) -> Response:
+    batches, tenant, file_id = _callers_file(request)
     return JSONResponse(await stored(batches.delete_file(tenant, file_id)))
-
-
-router.add_api_route("/v1/files/{file_id}", _file_route(_file), methods=["GET"])
-router.add_api_route("/v1/files/{file_id}/content", _file_route(_content), methods=["GET"])
-router.add_api_route("/v1/files/{file_id}", _file_route(_delete), methods=["DELETE"])
 
 
 @router.post("/v1/batches")
