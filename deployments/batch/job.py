@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import ray
 import yaml
+from ray.data._internal.planner.plan_udf_map_op import DEFAULT_ASYNC_BATCH_UDF_MAX_CONCURRENCY as BATCHES_PER_CALL
 from ray.util.placement_group import NODE_ID_LABEL_KEY
 
 from deployments.app_args import AppConfig, LLMConfig
@@ -33,7 +34,10 @@ logger = logging.getLogger(__name__)
 APP_IMPORT_PATH = "deployments.app:build_app"
 # Lines per block at most (more blocks than this would need): a block's results reach the file when it is done.
 ROWS_PER_BLOCK = 256
-BLOCKS_PER_ACTOR = 4
+BLOCKS_PER_ACTOR = 8
+# Lines each actor is given at once, in running tasks (max_num_seqs) at least this many times over: its engine
+# always has lines waiting, so the continuous batch stays full while a block's last lines finish.
+LINES_IN_FLIGHT_PER_RUNNING_TASK = 2
 MAX_BLOCKS = 4096
 # How long the engine actors may take to start (load, and compile on a configuration's first start) before
 # any block is given out: all of them start first, so that the first one up does not take every block.
@@ -80,6 +84,13 @@ def fitting_actors(options: dict[str, Any], cluster: dict[str, float]) -> int:
     return max(1, min(counts)) if counts else 1
 
 
+def calls_per_actor(llm: LLMConfig, batch_size: int, lines_per_block: int) -> int:
+    """Blocks each actor answers at once: Ray Data runs `BATCHES_PER_CALL` batches of a block at a time, and the
+    engine should have `LINES_IN_FLIGHT_PER_RUNNING_TASK` times the tasks it runs at once given to it."""
+    lines = LINES_IN_FLIGHT_PER_RUNNING_TASK * llm.engine().scheduler.max_num_seqs
+    return max(1, math.ceil(lines / min(BATCHES_PER_CALL * batch_size, lines_per_block)))
+
+
 def _keyed(batch: dict[str, np.ndarray], answered: frozenset[str]) -> dict[str, np.ndarray]:
     """The lines not answered yet, each with the key of the prompt prefix it shares."""
     texts = [str(text) for text in batch["text"]]
@@ -107,12 +118,14 @@ def run_batch(job: BatchJob, address: str | None = None) -> BatchSummary:
     summary = BatchSummary(already_answered=len(answered))
     ray.data.DataContext.get_current().wait_for_min_actors_s = ACTORS_START_S  # before any dataset copies it
     try:
-        todo = _read_lines(job.input).map_batches(_keyed, fn_kwargs={"answered": answered}, num_cpus=0, batch_format="numpy").materialize()
+        lines = _read_lines(job.input)
+        todo = lines.map_batches(_keyed, fn_kwargs={"answered": answered}, num_cpus=0, batch_format="numpy").materialize()
         count = todo.count()
         if count:
             options = actor_options(llm)
             actors = job.concurrency or fitting_actors(options, ray.cluster_resources())
             blocks = min(max(actors * BLOCKS_PER_ACTOR, math.ceil(count / ROWS_PER_BLOCK)), MAX_BLOCKS)
+            calls = calls_per_actor(llm, job.batch_size, math.ceil(count / blocks))
             # Materialized before the engines start: the shuffle's tasks need CPUs the actors would hold.
             grouped = todo.repartition(blocks, keys=["prefix"]).materialize()
             answers = grouped.map_batches(
@@ -121,7 +134,9 @@ def run_batch(job: BatchJob, address: str | None = None) -> BatchSummary:
                     "llm": llm.model_dump(mode="json", exclude_defaults=True),
                     "server": config.server.model_dump(mode="json", exclude_defaults=True),
                 },
-                compute=ray.data.ActorPoolStrategy(size=actors),
+                compute=ray.data.ActorPoolStrategy(
+                    size=actors, max_concurrent_calls_per_actor=calls, max_tasks_in_flight_per_actor=calls
+                ),
                 batch_size=job.batch_size,
                 batch_format="numpy",
                 **options,

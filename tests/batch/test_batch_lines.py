@@ -11,7 +11,8 @@ import pytest
 
 from serve_app.batch.answering import BatchAnswerer
 from serve_app.batch.file_format import LineError, line_key, prefix_key, read_line, result_key
-from serve_app.batch.results_file import ResultsFile
+from serve_app.batch import results_file
+from serve_app.batch.results_file import STAGED_SUFFIX, ResultsFile
 from serve_app.config import ServerConfig
 from serve_app.engine.engine import InferenceEngine
 from serve_app.http.engine_client import LocalEngineClient, model_card
@@ -86,6 +87,17 @@ def test_a_results_file_is_appended_and_resumed_without_its_torn_last_line(tmp_p
     torn.write([result("d")])
     torn.close()
     assert [json.loads(text)["custom_id"] for text in path.read_text().splitlines()] == ["a", "b", "c", "d"]
+    staged = path.with_name(path.name + STAGED_SUFFIX)
+    path.rename(staged)  # a rewrite cut short: the lines aside, the file itself a partial copy
+    path.write_text(result("a") + "\n")
+    assert ResultsFile(str(path)).open() == {"a", "b", "c", "d"} and not staged.exists()
+
+
+def test_a_results_file_is_read_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(result(f"k{i}") + "\n" for i in range(50)) + "\n\n")
+    monkeypatch.setattr(results_file, "READ_CHUNK_BYTES", 7)  # lines cut across chunks everywhere
+    assert ResultsFile(str(path)).open() == {f"k{i}" for i in range(50)}
 
 
 @pytest.fixture(scope="module")
