@@ -1,11 +1,12 @@
 """`serve-app bench batch`: offline batches beside online serving, on this host, in one run.
 
 1. Online: the app (`serve-app serve`, the shipped config on `--model`) under 64 and 128 streaming chat clients
-   (the standard prompts, `--max-tokens` each, EOS ignored): its best output throughput.
-2. The Batch API: one online client's TTFT, alone, then with a Batch-API batch of the same prompts running (its
+   (the standard prompts, `--max-tokens` each, EOS ignored): its best output throughput. Each load and each TTFT
+   series below asks prompts of its own, none of the batch's, so that none is answered from another's cached prefix.
+2. The Batch API: one online client's TTFT, alone, then with a Batch-API batch of the batch's prompts running (its
    throughput meanwhile read from the batch's usage); the batch is cancelled after.
 3. `serve-app batch` on `--prompts` prompts, the app stopped (the host's CPUs are the batch's), on a Ray cluster
-   of its own: its output throughput over the whole run (start included) and over its answering alone.
+   of its own: its output throughput over the whole run (start included) and from its first request to its end.
 
 It reports batch / best online throughput (target >= 1.0) and the online TTFT p50 / p99 with the batch over
 without (target p99 <= 1.5)."""
@@ -35,15 +36,15 @@ def messages(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
 
-async def online(url: str, model: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int) -> BenchRow:
-    """`concurrency` clients streaming `requests` chats in all."""
+async def online(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> BenchRow:
+    """`concurrency` clients streaming a chat of each prompt."""
     timings = []
     issued = 0
 
     async def client_loop(client: CompletionClient) -> None:
         nonlocal issued
-        while issued < requests:
-            prompt = prompts[issued % len(prompts)]
+        while issued < len(prompts):
+            prompt = prompts[issued]
             issued += 1
             timings.append(await client.stream(model, messages(prompt), max_tokens))
 
@@ -53,9 +54,9 @@ async def online(url: str, model: str, prompts: list[str], concurrency: int, req
         return BenchRow.from_timings(f"online c={concurrency}", concurrency, time.perf_counter() - begin, timings)
 
 
-async def one_client_ttfts(url: str, model: str, prompts: list[str], requests: int, max_tokens: int) -> list[float]:
+async def one_client_ttfts(url: str, model: str, prompts: list[str], max_tokens: int) -> list[float]:
     async with CompletionClient(url, api="chat") as client:
-        return [(await client.stream(model, messages(prompts[i % len(prompts)]), max_tokens)).ttft for i in range(requests)]
+        return [(await client.stream(model, messages(prompt), max_tokens)).ttft for prompt in prompts]
 
 
 def batch_file(model: str, prompts: list[str], max_tokens: int) -> str:
@@ -104,35 +105,39 @@ def cli_batch(config: Path, text: str, workdir: Path) -> dict[str, float]:
     with open(workdir / "batch.log", "w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
                               env={**users_environment(os.environ), "RAY_TMPDIR": ray_dir})
-    seconds = time.perf_counter() - begin
+    seconds, ended = time.perf_counter() - begin, time.time()
     if done.returncode != 0:
         raise RuntimeError(f"serve-app batch failed: {(workdir / 'batch.log').read_text()[-3000:]}")
     bodies = [json.loads(line)["response"]["body"] for line in results.read_text().splitlines()]
     tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
-    created = [body["created"] for body in bodies]
-    answering = max(created) - min(created) + 1  # whole seconds: the answers' `created` stamps
-    return {"lines": len(bodies), "tokens": tokens, "seconds": round(seconds, 1), "answering_seconds": answering,
+    answering = ended - min(body["created"] for body in bodies)  # from the first request in (whole seconds) to the end
+    return {"lines": len(bodies), "tokens": tokens, "seconds": round(seconds, 1), "answering_seconds": round(answering),
             "tok_s": round(tokens / seconds, 1), "answering_tok_s": round(tokens / answering, 1)}
 
 
 def main(args: argparse.Namespace) -> None:
     prompts = make_prompts(args.prompts, seed=args.seed)
+    loads, ttfts = len(args.online_concurrency) * args.online_requests, args.ttft_requests
+    online_prompts = make_prompts(loads + 2 * ttfts, seed=args.seed + 1)
+    per_load = args.online_requests
+    load_prompts = [online_prompts[i * per_load:(i + 1) * per_load] for i in range(len(args.online_concurrency))]
+    alone_prompts, beside_prompts = online_prompts[loads:loads + ttfts], online_prompts[loads + ttfts:]
     workdir = Path(tempfile.mkdtemp(prefix="bench-batch-"))
     report: dict = {"model": args.model, "prompts": args.prompts, "max_tokens": args.max_tokens, "cpus": os.cpu_count()}
     (workdir / "serve").mkdir()
     run = ServeRun(workdir / "serve", model=args.model, args={"batch_files_path": str(workdir / "batch-files")})
     try:
         model = run.model_id
-        rows = [asyncio.run(online(run.url, model, prompts, c, args.online_requests, args.max_tokens))
-                for c in args.online_concurrency]
+        rows = [asyncio.run(online(run.url, model, load, c, args.max_tokens))
+                for c, load in zip(args.online_concurrency, load_prompts)]
         print(format_table(rows), flush=True)
         best = max(rows, key=lambda row: row.output_tok_s)
         report["online"] = [row.as_dict() for row in rows]
-        alone = asyncio.run(one_client_ttfts(run.url, model, prompts, args.ttft_requests, args.max_tokens))
+        alone = asyncio.run(one_client_ttfts(run.url, model, alone_prompts, args.max_tokens))
         batch_id = start_api_batch(run.url, batch_file(model, prompts, args.max_tokens))
         before = wait_for_progress(run.url, batch_id)
         began = time.perf_counter()
-        beside = asyncio.run(one_client_ttfts(run.url, model, prompts, args.ttft_requests, args.max_tokens))
+        beside = asyncio.run(one_client_ttfts(run.url, model, beside_prompts, args.max_tokens))
         after = api_batch(run.url, batch_id)
         api_tok_s = (after["usage"]["output_tokens"] - before["usage"]["output_tokens"]) / (time.perf_counter() - began)
         httpx.post(f"{run.url}/v1/batches/{batch_id}/cancel", timeout=60)
@@ -150,7 +155,8 @@ def main(args: argparse.Namespace) -> None:
         "ttft_p50_beside_over_alone": round(ttft["beside_batch_p50_s"] / ttft["alone_p50_s"], 2),
         "ttft_p99_beside_over_alone": round(ttft["beside_batch_p99_s"] / ttft["alone_p99_s"], 2),
     }
-    report.update(best_online=best.system, serve_app_batch=offline, ttft=ttft, ratios=ratios)
+    report.update(best_online=best.system, serve_app_batch=offline, ttft=ttft, ratios=ratios,
+                  ttfts_s={"alone": [round(t, 4) for t in alone], "beside_batch": [round(t, 4) for t in beside]})
     print(dict_table([{"what": "serve-app batch", **offline}]))
     print(dict_table([ttft]))
     print(dict_table([ratios]))
