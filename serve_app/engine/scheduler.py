@@ -32,7 +32,7 @@ from serve_app.wire.outputs import CoreOutput
 
 logger = logging.getLogger(__name__)
 
-# A batch's tasks prefill at most this fraction (1/N) of a step's token budget (before steps' times are known).
+# A batch's tasks prefill at most this fraction (1/N) of a step's token budget (and within `background_step_s`).
 BACKGROUND_PREFILL_SHARE = 4
 
 
@@ -142,9 +142,10 @@ class Scheduler:
     def ran(self, batch: Batch, seconds: float) -> None:
         """A whole batch ran in `seconds`: what a step costs by its tokens; a decode-only one's time tells
         speculation what proposals cost."""
-        self.step_cost.record(sum(entry.num_new for entry in batch.entries), seconds)
+        tokens = sum(entry.num_new for entry in batch.entries)
+        self.step_cost.record(tokens, seconds)
         if self.speculator is not None and batch.is_decode_only:
-            self.speculator.step_times.record(sum(entry.num_new for entry in batch.entries), seconds)
+            self.speculator.step_times.record(tokens, seconds)
 
     def postprocess(self, tasks: Sequence[Task], emitted: Sequence[Emitted]) -> None:
         """Each sampled task's outcome: its accepted proposals kept, then its output published or its end."""
