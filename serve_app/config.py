@@ -23,7 +23,7 @@ def default_cache_dir() -> Path:
 
 
 # A model's weights: `serve_app.model.quant.quantization` applies it.
-Quantization = Literal["none", "int8", "int4", "fp8"]
+Quantization = Literal["auto", "none", "gguf", "int8", "int4", "fp8"]
 
 
 class _Strict(BaseModel):
@@ -66,8 +66,11 @@ class ModelConfig(_Strict):
         "under cache_dir/compile (a second start loads them); where it cannot be built, eager with a warning",
     )
     quantization: Quantization = Field(
-        "none",
-        description="int8: every linear layer with int8 weights, on the CPU with dynamic int8 activations (fbgemm), "
+        "auto",
+        description="auto: gguf where the model was made from a GGUF file and runs on the CPU in float32, else none; "
+        "gguf (a model made from a GGUF, on the CPU in float32): the file's Q4_1 and Q8_0 weights served as "
+        "stored, with float32 activations; "
+        "int8: every linear layer with int8 weights, on the CPU with dynamic int8 activations (fbgemm), "
         "elsewhere weights only (torchao); int4 (the CPU): 4-bit weights in groups of 32 with bfloat16 activations, "
         "a GGUF's Q4_1 weights taken as stored; fp8: fp8 weights only (torchao, for CUDA)",
     )

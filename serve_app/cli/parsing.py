@@ -24,7 +24,7 @@ def add_engine_form(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=True, help="the engine's compiled forward"
     )
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    parser.add_argument("--quantization", default="none", choices=["none", "gguf", "int8", "int4"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16"])
 
 
@@ -68,7 +68,7 @@ SHARED_HELP = {
     "requests": "number of requests",
     "concurrency": "requests in flight; a comma list sweeps, e.g. 1,8,32",
     "device": "where it runs: cpu, cuda, cuda:N",
-    "quantization": "the model's weights: none, int8 or int4",
+    "quantization": "the model's weights: none, gguf (a GGUF's own blocks), int8 or int4",
     "page_size": "tokens per KV page",
     "kv_cache_dtype": "the KV cache's element type: auto (the model's), bfloat16 or float16",
     "rounds": "rounds to repeat (alternating where it compares)",

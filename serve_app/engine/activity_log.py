@@ -27,7 +27,7 @@ def log_start(engine: EngineParts) -> None:
     usage = engine.cache.usage()
     page_size = getattr(engine.cache, "page_size", 1)
     tokens = usage.total * page_size
-    logger.info("model: %s (quantization %s)", runner.path, config.model.quantization)
+    logger.info("model: %s (quantization %s)", runner.path, runner.quantization)
     logger.info("dtype: %s", str(runner.dtype).removeprefix("torch."))
     logger.info("device: %s", runner.device)
     logger.info("threads: %d", torch.get_num_threads())

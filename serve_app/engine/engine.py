@@ -152,7 +152,7 @@ class InferenceEngine(Conveniences):
         if not config.tiers.enabled:
             return None
         assert isinstance(self.cache, PageCache)
-        layout = layout_key(self.runner.path, config.model.cache_dir, config.model.quantization, self.cache.page_size,
+        layout = layout_key(self.runner.path, config.model.cache_dir, self.runner.quantization, self.cache.page_size,
                             self.runner.kv_shape)
         page_bytes = self.runner.kv_shape.bytes_per_token * self.cache.page_size
         chain = TierChain(config.tiers, layout, page_bytes, self.loop.deliver_loaded, self._ray_tiers)

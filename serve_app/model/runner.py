@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ from serve_app.model.compiled import CompiledForward, compile_forward, compile_u
 from serve_app.model.kernels.decode_kernel import load_decode_kernel
 from serve_app.model.loader import gguf_origin, resolve_model_path
 from serve_app.model.lora import AdapterRows, AdapterSlots, lora_rows, wrap_targets
+from serve_app.model.kernels.gguf_matmul import build_gguf_matmul
+from serve_app.model.kernels.native import KernelBuildError
+from serve_app.model.quant.gguf_loading import load_gguf_model
 from serve_app.model.quant.int4_loading import load_int4_model
 from serve_app.model.quant.quantization import apply_quantization
 from serve_app.model.tokenizer import Tokenizer
@@ -103,15 +107,19 @@ class ModelRunner:
         _quiet_torchao_import()
         gguf = gguf_origin(config.name)
         # int4 on the CPU builds its 4-bit layers straight from the checkpoint (and the GGUF's blocks).
-        int4 = config.quantization == "int4" and self.device.type == "cpu"
+        self.quantization = self._resolved_quantization(config, gguf)  # what `auto` came to
+        int4 = self.quantization == "int4" and self.device.type == "cpu"
         attention = register_attention()
-        built = load_int4_model(self.path, hf_config, self.dtype, attention, gguf) if int4 else None
+        if self.quantization == "gguf":
+            built = self._gguf_model(config, hf_config, attention, gguf)
+        else:
+            built = load_int4_model(self.path, hf_config, self.dtype, attention, gguf) if int4 else None
         if built is None:
             self.model = AutoModelForCausalLM.from_pretrained(
                 self.path, dtype=self.dtype, attn_implementation=attention
             ).to(self.device)
             self.model.eval()
-            self.model = apply_quantization(self.model, config.quantization, self.device, config.cache_dir, gguf)
+            self.model = apply_quantization(self.model, self.quantization, self.device, config.cache_dir, gguf)
         else:
             self.model = built
         self.max_model_len = _context(hf_config, self.model, config.max_model_len)
@@ -137,9 +145,34 @@ class ModelRunner:
         )
         self.model_forward: Callable[..., Any] = self.model  # what a step runs: the model, or its compiled graph
         self.compiled: CompiledForward | None = None  # the compiled forward, once `compile` built it
-        self._quantization = config.quantization
         self._cache_dir = config.cache_dir
-        logger.info("loaded %s on %s (%s, quantization %s)", self.path, self.device, self.dtype, config.quantization)
+        logger.info("loaded %s on %s (%s, quantization %s)", self.path, self.device, self.dtype, self.quantization)
+
+    def _resolved_quantization(self, config: ModelConfig, gguf: Path | None) -> str:
+        """`config.quantization`, with `auto` made `gguf` where the model was made from a GGUF file, runs on the CPU
+        in float32 and the block kernel builds here, else `none`."""
+        if config.quantization != "auto":
+            return config.quantization
+        if gguf is None or self.device.type != "cpu" or self.dtype != torch.float32:
+            return "none"
+        try:
+            build_gguf_matmul(config.cache_dir)
+        except KernelBuildError as error:
+            logger.warning("quantization auto: the float32 weights, since the GGUF block kernel cannot be built: %s", error)
+            return "none"
+        return "gguf"
+
+    def _gguf_model(self, config: ModelConfig, hf_config: Any, attention: str, gguf: Path | None) -> torch.nn.Module:
+        """The model with its GGUF's blocks served as stored (`quantization: gguf`)."""
+        if gguf is None or self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError(
+                "quantization: gguf serves a GGUF file's own blocks, on the CPU in float32; "
+                f"{config.name!r} on {self.device} in {self.dtype} is not that (use none, int8 or int4)"
+            )
+        model = load_gguf_model(self.path, hf_config, attention, gguf, build_gguf_matmul(config.cache_dir))
+        if model is None:
+            raise ValueError(f"quantization: gguf needs the safetensors checkpoint converted from {gguf}, not in {self.path}")
+        return model
 
     def compile(self, storage: Storage) -> None:
         """Run the forward compiled from now on: compiled (or loaded from torch's compile caches) and
@@ -147,7 +180,7 @@ class ModelRunner:
         and one warning says why."""
         reason = compile_unsupported(self.device)
         if reason is None:
-            cache_dir = compile_cache_dir(self._cache_dir, self.path, self.dtype, self._quantization, self.device)
+            cache_dir = compile_cache_dir(self._cache_dir, self.path, self.dtype, self.quantization, self.device)
             try:
                 self.compiled = compile_forward(self.model, storage, self.decode_kernel, cache_dir)
             except Exception as error:  # any failure to compile leaves the eager forward, which works

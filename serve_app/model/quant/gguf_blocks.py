@@ -1,6 +1,6 @@
 """A GGUF file's Q4_1 linear weights as they are stored, for `quantization: int4`: each 32-weight block's
-fp16 scale and minimum and its 4-bit codes, read without dequantizing (and its Q8_0 token embedding, kept so),
-under the module paths of the transformers model made from the same file (`model.layers.N.self_attn.q_proj`,
+fp16 scale and minimum and its 4-bit codes, read without dequantizing (and its Q8_0 token embedding, kept so);
+for `quantization: gguf`, its Q4_1 and Q8_0 weights as the blocks themselves (`GgufBlocks`); under the module paths of the transformers model made from the same file (`model.layers.N.self_attn.q_proj`,
 ...). llama.cpp stores a Llama's query and key rows permuted for its rotary layout; they are put back in
 transformers' order, as transformers' own GGUF loader does."""
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from serve_app.model.kernels.gguf_matmul import BlockWeight
 from serve_app.model.quant.int4 import GROUP_SIZE, Int4Weight
 from serve_app.model.quant.int8_embedding import Int8Embedding
 
@@ -74,6 +75,58 @@ class Q4_1Weights:
         scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
         codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(data.shape[0], -1)
         return Int8Embedding(torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales)), dtype)
+
+
+class GgufBlocks:
+    """A GGUF file's Q4_1 and Q8_0 weights as their blocks (`BlockWeight`): each decoder layer's linear weights by
+    module path, the token embedding, and the output head where the file has one of its own."""
+
+    def __init__(self, gguf: Path) -> None:
+        from gguf import GGMLQuantizationType, GGUFReader
+
+        kinds = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+        reader = GGUFReader(gguf)
+        architecture = _field(reader, "general.architecture")
+        heads = _field(reader, f"{architecture}.attention.head_count")
+        self._heads = {"attn_q": heads, "attn_k": _field(reader, f"{architecture}.attention.head_count_kv") or heads}
+        self._permuted = architecture in _PERMUTED_ARCHITECTURES
+        self._tensors = {}  # module path, or "embedding" / "head" -> (llama.cpp's tensor kind, kind of block, tensor)
+        for tensor in reader.tensors:
+            kind = kinds.get(tensor.tensor_type)
+            parts = tensor.name.split(".")  # blk.N.attn_q.weight
+            if kind is None:
+                continue
+            if tensor.name in ("token_embd.weight", "output.weight"):
+                self._tensors["embedding" if parts[0] == "token_embd" else "head"] = (parts[0], kind, tensor)
+            elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_MODULES and parts[3] == "weight":
+                self._tensors[f"model.layers.{parts[1]}.{_LAYER_MODULES[parts[2]]}"] = (parts[2], kind, tensor)
+
+    def get(self, path: str) -> BlockWeight | None:
+        """The blocks of the weight at module `path` (or `embedding`, `head`), or None where the file holds it
+        otherwise."""
+        if path not in self._tensors:
+            return None
+        name, kind, tensor = self._tensors[path]
+        data = np.asarray(tensor.data)
+        out_features = data.shape[0]
+        blocks = data.reshape(out_features, -1, _Q4_1_BLOCK_BYTES if kind == "q4_1" else _Q8_0_BLOCK_BYTES)
+        scales = torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32))
+        if kind == "q4_1":
+            minimums = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32))
+            codes = torch.from_numpy(np.ascontiguousarray(blocks[..., 4:]).reshape(out_features, -1))
+        else:
+            minimums = None
+            codes = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(out_features, -1))
+        weight = BlockWeight(kind, codes, scales, minimums)
+        if self._permuted and name in self._heads:
+            weight = weight.rows(_unpermuted_order(out_features, self._heads[name]))
+        return weight
+
+
+def _unpermuted_order(out_features: int, heads: int) -> torch.Tensor:
+    """The file's row of each row in transformers' order: within each head, llama.cpp interleaved the rotary halves."""
+    half = out_features // heads // 2
+    return torch.arange(out_features).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
 
 
 def _field(reader, key: str):
