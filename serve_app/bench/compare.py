@@ -1,7 +1,8 @@
 """`serve-app bench compare`: every system over the same prompts in one run, side by side, as ratios.
 
 Each in-process system runs in a fresh subprocess (its own memory peak, no shared state); the
-HTTP systems are a real `serve run` (`http`, the shipped config, compiled; `http-int8` and `http-int4`
+HTTP systems are a real `serve run` (`http`, the shipped config, compiled; `http-fp32` with the float32 weights
+rather than the packaged GGUF's blocks; `http-int8` and `http-int4`
 with int8 and 4-bit weights; `-kv16` with a bfloat16 KV cache; `-eager` without the compiled forward) and llama.cpp's
 `llama-server` on each GGUF given (`llama-server:<file stem>`), loaded by one async client from this
 process. The HTTP systems run each workload asked for on one start: `completions`, the same token-id
@@ -9,7 +10,8 @@ prompts streamed through this server's `/v1/completions` and llama-server's `/co
 short chats streamed through each server's `/v1/chat/completions` and its own chat template (rows
 `<system> chat`). The engine and the HTTP systems alternate by concurrency
 (`plan_runs`), and the host's matmul rate is measured before every run, because a shared host's
-speed drifts (here 150-296 GFLOP/s within one run).
+speed drifts (here 150-296 GFLOP/s within one run). The report names the CPU (model, cores, flags: its JSON keeps
+every flag), since which kernels win differs by host.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -27,13 +28,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from serve_app.bench.hardware import decode_ceiling_tok_s, matmul_gflops
+from serve_app.bench.hardware import CpuInfo, decode_ceiling_tok_s, matmul_gflops
 from serve_app.bench.prompts import make_prompts
 from serve_app.bench.stats import BenchRow, format_table
 
 # `serve run` with these engine args on top of serve_config.yaml's.
 HTTP_SYSTEMS = {
     "http": {},
+    "http-fp32": {"quantization": "none"},
     "http-int8": {"quantization": "int8"},
     "http-int4": {"quantization": "int4"},
     "http-kv16": {"kv_cache_dtype": "bfloat16"},
@@ -231,7 +233,7 @@ def main(args: argparse.Namespace) -> None:
         from serve_app.bench.servers import served_id
 
         title = (f"{served_id(args.model)}, {args.requests} prompts, {args.max_tokens} new tokens, greedy; "
-                 f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
+                 f"{CpuInfo.here().summary()}, {time.strftime('%Y-%m-%d')}")
         plot_rows(rows, args.plot, title=title)
         print(f"plot written to {args.plot}")
 
@@ -244,7 +246,8 @@ def _parameter_count(model_path: Path) -> int:
 
 
 def _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args) -> dict:
-    lines = [format_table(rows), ""]
+    cpu = CpuInfo.here()
+    lines = [format_table(rows), "", f"CPU: {cpu.summary()}"]
     lines.append(f"fp32 matmul: {gflops:.0f} GFLOP/s; {n_params / 1e6:.0f}M parameters -> decode ceiling {ceiling:.0f} tok/s")
     lines.append("  (host matmul GFLOP/s measured again just before each run, to show drift)")
     for row, rate in zip(rows, host_gflops):
@@ -285,6 +288,7 @@ def _report(rows, host_gflops, tokens, gflops, n_params, ceiling, args) -> dict:
         oracle = {"equal": equal, "compared": len(reference)}
         lines.append(f"greedy tokens equal to transformers (one at a time): {equal}/{len(reference)} prompts")
     payload = {
+        "cpu": asdict(cpu),
         "prompts": args.requests,
         "max_tokens": args.max_tokens,
         "matmul_gflops": round(gflops, 1),

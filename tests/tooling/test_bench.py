@@ -17,6 +17,7 @@ import pytest
 
 from serve_app import InferenceEngine
 from serve_app.bench.compare import plan_runs
+from serve_app.bench.hardware import CpuInfo
 from serve_app.bench.engine_bench import run_engine_bench
 from serve_app.bench.hardware import decode_ceiling_tok_s
 from serve_app.bench.prompts import long_passage, make_prompts
@@ -141,6 +142,8 @@ def test_bench_compare_small_run(tmp_path: Path) -> None:
     assert report["rows"][0]["output_tokens"] == 16 and report["rows"][1]["requests"] == 2
     assert report["oracle"] == {"equal": 2, "compared": 2}
     assert report["matmul_gflops"] > 0 and report["decode_ceiling_tok_s"] > 0
+    cpu = CpuInfo.here()  # the run names its CPU: model, flags, cores
+    assert report["cpu"] == {"model": cpu.model, "flags": list(cpu.flags), "cores": cpu.cores} and cpu.model and cpu.flags
     assert set(report["ratios"]) == {"engine/hf-sequential", "engine/hf-static"}
     assert plot.stat().st_size > 10_000
 
