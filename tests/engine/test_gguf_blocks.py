@@ -4,6 +4,8 @@ float32 rounding at every row count, and the engine's greedy tokens equal the fl
 
 from __future__ import annotations
 
+import ctypes
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,3 +128,17 @@ def test_the_blocks_hold_a_fifth_of_the_float_bytes(blocks) -> None:
     weight = blocks.get("model.layers.0.mlp.gate_proj")
     assert weight.nbytes <= 0.2 * weight.out_features * weight.in_features * 4
     assert np.isclose(weight.nbytes / (weight.out_features * weight.in_features), 0.5 + 8 / 32)
+
+
+def test_the_codes_kernel_runs_up_to_the_row_count_the_timing_chose(kernel, blocks) -> None:
+    from serve_app.model.quant.gguf_linear import _ROW_CLASSES, choose_kernel_rows
+
+    layer = [blocks.get("model.layers.0.mlp.gate_proj"), blocks.get("model.layers.0.self_attn.k_proj")]
+    assert choose_kernel_rows(kernel, layer, 30, None) in (1, *_ROW_CLASSES)
+
+    class SlowKernel(GgufMatmul):  # the same kernel, made to lose at every row count
+        def matmul(self, rows, weight):
+            time.sleep(0.002)
+            return super().matmul(rows, weight)
+
+    assert choose_kernel_rows(SlowKernel(kernel.library, ctypes.CDLL(str(kernel.library))), layer, 30, None) == 1

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from serve_app.model.kernels.timing import fastest
 from serve_app.model.surgery import replace_modules
 
 _PACKED: dict[int, torch.Tensor] = {}  # weight id -> the weight in oneDNN's layout
@@ -107,12 +107,7 @@ def time_layouts(layer_linears: list[torch.nn.Linear], n_layers: int, head: torc
                 "aten": functools.partial(torch.nn.functional.linear, x, weight),
                 "onednn": functools.partial(torch.ops.mkldnn._linear_pointwise, x, weight.to_mkldnn(), None, "none", [], ""),
             }
-            best = dict.fromkeys(products, float("inf"))
-            for _ in range(_TIMED_CALLS + 1):  # the first round warms up
-                for name, product in products.items():
-                    started = time.perf_counter()
-                    product()
-                    best[name] = min(best[name], time.perf_counter() - started)
+            best = fastest(products, _TIMED_CALLS)
             for name in totals:
                 totals[name] += best[name] * count
         seconds[rows] = totals

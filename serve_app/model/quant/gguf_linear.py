@@ -16,13 +16,13 @@ import functools
 import itertools
 import logging
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 from serve_app.model.kernels.gguf_matmul import BlockWeight, GgufMatmul
+from serve_app.model.kernels.timing import fastest
 
 logger = logging.getLogger(__name__)
 
@@ -123,12 +123,7 @@ def choose_kernel_rows(kernel: GgufMatmul, layer_weights: list[BlockWeight], n_l
                 "kernel": functools.partial(kernel.matmul, x, weight),
                 "widened": functools.partial(_widened_product, x, weight, kernel),
             }
-            best = dict.fromkeys(products, float("inf"))
-            for _ in range(_TIMED_CALLS + 1):  # the first round warms up
-                for name, product in products.items():
-                    started = time.perf_counter()
-                    product()
-                    best[name] = min(best[name], time.perf_counter() - started)
+            best = fastest(products, _TIMED_CALLS)
             for name in totals:
                 totals[name] += best[name] * count
         timings.append(f"{rows} rows {totals['kernel'] * 1e3:.1f} ms codes, {totals['widened'] * 1e3:.1f} ms widened")
