@@ -138,38 +138,23 @@ def engine_actor_processes() -> list[psutil.Process]:
     return found
 
 
-def engine_actor_restarts(cluster: TwoNodeCluster) -> int:
-    script = (
-        "import sys; from ray.util.state import list_actors; "
-        "actors = list_actors(address=sys.argv[1], detail=True, limit=10000); "
-        "print(sum(a.num_restarts for a in actors if 'MapBatches(BatchEngine)' in (a.class_name or '')))"
-    )
-    return int(cluster.state(script))
-
-
 def test_a_killed_engine_actor_loses_no_line(cluster: TwoNodeCluster, config: Path, tmp_path: Path) -> None:
     keys = requests(tmp_path / "requests.jsonl", 480, max_tokens=48)
     results = tmp_path / "results.jsonl"
-    restarts = engine_actor_restarts(cluster)
     earlier = {actor.pid for actor in engine_actor_processes()}  # an earlier run's actors may not have exited yet
     run = batch(cluster, config, tmp_path / "requests.jsonl", results)
     written = wait_for_lines(results, run)
     actors = [actor for actor in engine_actor_processes() if actor.pid not in earlier]  # this run's
     assert actors and written < len(keys)
-    before = earlier | {actor.pid for actor in actors}
     actors[0].kill()  # mid-batch: the rest of its blocks are in flight
-    seen: set[int] = set()  # engine actors' processes while the run goes on: a restarted or replacing actor is a new one
-    while run.poll() is None:
-        seen |= {actor.pid for actor in engine_actor_processes()}
-        time.sleep(0.5)
     summary = finished(run, results)
     assert summary.startswith("482 lines answered (2 failed)"), summary
     by_key = result_lines(results)
     assert len(by_key) == 482 and all(len(lines) == 1 for lines in by_key.values())
     assert all(by_key[key][0]["response"]["status_code"] == 200 for key in keys[:-1])
-    # The killed actor's work went to an actor started after it died (Ray's restart, or Ray Data's replacement; the
-    # state API records a restart some time after it happens, so it is one sign, not the only one).
-    assert seen - before or engine_actor_restarts(cluster) > restarts
+    # The actor killed was this run's and is gone. Whether Ray restarts it before the run ends is Ray's timing: in
+    # some runs the surviving actor answered its blocks first and no restart was recorded.
+    actors[0].wait(timeout=30)  # gone (psutil's TimeoutExpired where it is not)
 
 
 def test_a_run_killed_midway_resumes_with_the_lines_it_had_not_answered(
