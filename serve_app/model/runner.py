@@ -20,10 +20,10 @@ from serve_app.model.attention import attention_window, register_attention, step
 from serve_app.model.compile_cache import compile_cache_dir
 from serve_app.model.compiled import CompiledForward, compile_forward, compile_unsupported
 from serve_app.model.kernels.decode_kernel import load_decode_kernel
-from serve_app.model.loader import gguf_origin, resolve_model_path
-from serve_app.model.lora import AdapterRows, AdapterSlots, lora_rows, wrap_targets
 from serve_app.model.kernels.gguf_matmul import build_gguf_matmul
 from serve_app.model.kernels.native import KernelBuildError
+from serve_app.model.loader import gguf_origin, resolve_model_path
+from serve_app.model.lora import AdapterRows, AdapterSlots, lora_rows, wrap_targets
 from serve_app.model.quant.gguf_loading import load_gguf_model
 from serve_app.model.quant.int4_loading import load_int4_model
 from serve_app.model.quant.quantization import apply_quantization
