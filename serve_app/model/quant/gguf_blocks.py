@@ -1,8 +1,9 @@
-"""A GGUF file's Q4_1 linear weights as they are stored, for `quantization: int4`: each 32-weight block's
-fp16 scale and minimum and its 4-bit codes, read without dequantizing (and its Q8_0 token embedding, kept so);
-for `quantization: gguf`, its Q4_1 and Q8_0 weights as the blocks themselves (`GgufBlocks`); under the module paths of the transformers model made from the same file (`model.layers.N.self_attn.q_proj`,
-...). llama.cpp stores a Llama's query and key rows permuted for its rotary layout; they are put back in
-transformers' order, as transformers' own GGUF loader does."""
+"""A GGUF file's Q4_1 and Q8_0 weights as it stores them, read without dequantizing, under the module paths of
+the transformers model made from the same file (`model.layers.N.self_attn.q_proj`, ...): `GgufBlocks` gives the
+blocks themselves (`BlockWeight`, for `quantization: gguf`), `Q4_1Weights` the Q4_1 ones with one code a byte
+(`Int4Weight`) and the Q8_0 token embedding (`Int8Embedding`), for `quantization: int4`. llama.cpp stores a
+Llama's query and key rows permuted for its rotary layout; they are put back in transformers' order, as
+transformers' own GGUF loader does."""
 
 from __future__ import annotations
 
@@ -32,49 +33,32 @@ _Q8_0_BLOCK_BYTES = 34  # fp16 scale, 32 int8 codes
 
 
 class Q4_1Weights:
-    """A GGUF file's Q4_1 linear weights of the decoder layers, each read when asked for (so that only one
-    layer's codes are unpacked at a time), by module path."""
+    """A GGUF file's Q4_1 linear weights of the decoder layers as 4-bit codes one a byte, each read when asked for
+    (so that only one layer's codes are unpacked at a time), by module path; and its Q8_0 token embedding."""
 
     def __init__(self, gguf: Path) -> None:
-        from gguf import GGMLQuantizationType, GGUFReader
-
-        reader = GGUFReader(gguf)
-        self._architecture = _field(reader, "general.architecture")
-        self._heads = _field(reader, f"{self._architecture}.attention.head_count")
-        self._kv_heads = _field(reader, f"{self._architecture}.attention.head_count_kv") or self._heads
-        self._tensors = {}  # module path -> (llama.cpp's tensor kind, the tensor)
-        self._embedding = None  # the token embedding, where the file holds it as Q8_0
-        for tensor in reader.tensors:
-            if tensor.name == "token_embd.weight" and tensor.tensor_type == GGMLQuantizationType.Q8_0:
-                self._embedding = tensor
-            parts = tensor.name.split(".")  # blk.N.attn_q.weight
-            if tensor.tensor_type != GGMLQuantizationType.Q4_1 or len(parts) != 4 or parts[0] != "blk":
-                continue
-            if parts[2] in _LAYER_MODULES and parts[3] == "weight":
-                self._tensors[f"model.layers.{parts[1]}.{_LAYER_MODULES[parts[2]]}"] = (parts[2], tensor)
+        self._blocks = GgufBlocks(gguf)
+        self._paths = self._blocks.layer_paths("q4_1")
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self._paths)
 
     def get(self, path: str) -> Int4Weight | None:
         """The weight of the module at `path`, unpacked from its blocks, or None where the file has none."""
-        if path not in self._tensors:
+        if path not in self._paths:
             return None
-        kind, tensor = self._tensors[path]
-        weight = _q4_1(np.asarray(tensor.data))
-        if self._architecture in _PERMUTED_ARCHITECTURES and kind in ("attn_q", "attn_k"):
-            weight = _unpermute_rows(weight, self._heads if kind == "attn_q" else self._kv_heads)
-        return weight
+        weight = self._blocks.get(path)
+        packed = weight.codes.reshape(weight.out_features, -1, GROUP_SIZE // 2)
+        # In a block, byte j holds the code of weight j in its low four bits and of weight j + 16 in its high four.
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(weight.out_features, -1)
+        return Int4Weight(codes, weight.scales, weight.minimums)
 
     def embedding(self, dtype: torch.dtype) -> Int8Embedding | None:
         """The token embedding as its Q8_0 blocks, looked up in `dtype`, or None where the file holds it otherwise."""
-        if self._embedding is None:
+        weight = self._blocks.get("embedding")
+        if weight is None or weight.kind != "q8_0":
             return None
-        data = np.asarray(self._embedding.data)
-        blocks = data.reshape(data.shape[0], -1, _Q8_0_BLOCK_BYTES)
-        scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
-        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(data.shape[0], -1)
-        return Int8Embedding(torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales)), dtype)
+        return Int8Embedding(weight.codes, weight.scales.half(), dtype)  # the file's float16 scales, exactly
 
 
 class GgufBlocks:
@@ -100,6 +84,10 @@ class GgufBlocks:
                 self._tensors["embedding" if parts[0] == "token_embd" else "head"] = (parts[0], kind, tensor)
             elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_MODULES and parts[3] == "weight":
                 self._tensors[f"model.layers.{parts[1]}.{_LAYER_MODULES[parts[2]]}"] = (parts[2], kind, tensor)
+
+    def layer_paths(self, kind: str) -> frozenset[str]:
+        """The module paths of the decoder layers' weights the file holds in `kind` of block (`q4_1`, `q8_0`)."""
+        return frozenset(path for path, (_, held, _) in self._tensors.items() if held == kind and path.startswith("model."))
 
     def get(self, path: str) -> BlockWeight | None:
         """The blocks of the weight at module `path` (or `embedding`, `head`), or None where the file holds it
@@ -135,30 +123,3 @@ def _field(reader, key: str):
         return None
     value = field.contents()
     return int(value) if isinstance(value, (int, np.integer)) else value
-
-
-def _q4_1(data: np.ndarray) -> Int4Weight:
-    """Q4_1 blocks ([out, in / 32 * 20] bytes) as codes, scales and minimums. In a block, byte j holds the
-    code of weight j in its low four bits and of weight j + 16 in its high four."""
-    out_features = data.shape[0]
-    blocks = data.reshape(out_features, -1, _Q4_1_BLOCK_BYTES)
-    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
-    minimums = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
-    packed = blocks[..., 4:]
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(out_features, -1)
-    assert codes.shape[1] == blocks.shape[1] * GROUP_SIZE
-    return Int4Weight(
-        torch.from_numpy(np.ascontiguousarray(codes)),
-        torch.from_numpy(scales.astype(np.float32)),
-        torch.from_numpy(minimums.astype(np.float32)),
-    )
-
-
-def _unpermute_rows(weight: Int4Weight, heads: int) -> Int4Weight:
-    """The rows in transformers' order: within each head, llama.cpp interleaved the rotary halves."""
-
-    def rows(tensor: torch.Tensor) -> torch.Tensor:
-        half = tensor.shape[0] // heads // 2
-        return tensor.reshape(heads, half, 2, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape).contiguous()
-
-    return Int4Weight(rows(weight.codes), rows(weight.scales), rows(weight.minimums))
