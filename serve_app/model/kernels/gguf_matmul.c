@@ -42,7 +42,7 @@ static inline float sum16(f16x v) {
     return total;
 }
 
-/* The 32 weights' codes of one block as two float vectors (weights 0-15, 16-31), and whether it has a minimum. */
+/* The 32 weights' codes of one block as two float vectors (weights 0-15, 16-31). */
 static inline void q4_1_codes(const uint8_t *codes, f16x *low, f16x *high) {
     u8x16 packed;
     memcpy(&packed, codes, sizeof packed);
@@ -57,6 +57,14 @@ static inline void q8_0_codes(const int8_t *codes, f16x *low, f16x *high) {
     memcpy(&b, codes + 16, sizeof b);
     *low = __builtin_convertvector(__builtin_convertvector(a ^ 0x80, i32x16) - 128, f16x);
     *high = __builtin_convertvector(__builtin_convertvector(b ^ 0x80, i32x16) - 128, f16x);
+}
+
+/* Block b of output channel o's codes, of a Q4_1 (`q4`) or a Q8_0 weight of `in` inputs. */
+static inline void block_codes(const uint8_t *codes, const int q4, int64_t in, int64_t o, int64_t b, f16x *low, f16x *high) {
+    if (q4)
+        q4_1_codes(codes + o * (in / 2) + b * (BLOCK / 2), low, high);
+    else
+        q8_0_codes((const int8_t *)codes + o * in + b * BLOCK, low, high);
 }
 
 /* Sum of each row's inputs over each block, [rows, in / 32]: a Q4_1 block's minimum multiplies it. */
@@ -86,10 +94,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
         for (int c = 0; c < CHANNELS; ++c) {
             const int64_t o = o0 + c;
             f16x low, high;
-            if (q4)
-                q4_1_codes(codes + o * (in / 2) + b * (BLOCK / 2), &low, &high);
-            else
-                q8_0_codes((const int8_t *)codes + o * in + b * BLOCK, &low, &high);
+            block_codes(codes, q4, in, o, b, &low, &high);
             const float scale = d[o * blocks + b];
             for (int r = 0; r < R; ++r) acc[c][r] += scale * (low * xl[r] + high * xh[r]);
             if (q4)
@@ -137,33 +142,34 @@ int q8_0_matmul(const float *x, int64_t rows, const int8_t *codes, const float *
     return matmul(x, rows, (const uint8_t *)codes, d, NULL, 0, in, out, y, n_threads);
 }
 
-/* The float32 weight of output channels (its products and sums rounded apart, as gguf-py's are) [first, first + count): w [count, in]. */
-__attribute__((optimize("fp-contract=off"))) void q4_1_dequantize(const uint8_t *codes, const float *d, const float *m, int64_t in, int64_t first, int64_t count,
-                     float *w, int n_threads) {
+/* The float32 weight of output channels [first, first + count): w [count, in], each product and sum rounded apart, as
+ * gguf-py's are. */
+static __attribute__((optimize("fp-contract=off"))) void dequantize(const uint8_t *codes, const float *d, const float *m,
+                                                                    const int q4, int64_t in, int64_t first,
+                                                                    int64_t count, float *w, int n_threads) {
     const int64_t blocks = in / BLOCK;
 #pragma omp parallel for num_threads(n_threads) schedule(static)
     for (int64_t o = 0; o < count; ++o)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t at = (first + o) * blocks + b;
             f16x low, high;
-            q4_1_codes(codes + (first + o) * (in / 2) + b * (BLOCK / 2), &low, &high);
-            const f16x lw = low * d[at] + m[at], hw = high * d[at] + m[at];
+            block_codes(codes, q4, in, first + o, b, &low, &high);
+            f16x lw = low * d[at], hw = high * d[at];
+            if (q4) {
+                lw += m[at];
+                hw += m[at];
+            }
             memcpy(w + o * in + b * BLOCK, &lw, sizeof lw);
             memcpy(w + o * in + b * BLOCK + 16, &hw, sizeof hw);
         }
 }
 
-__attribute__((optimize("fp-contract=off"))) void q8_0_dequantize(const int8_t *codes, const float *d, int64_t in, int64_t first, int64_t count, float *w,
+void q4_1_dequantize(const uint8_t *codes, const float *d, const float *m, int64_t in, int64_t first, int64_t count,
+                     float *w, int n_threads) {
+    dequantize(codes, d, m, 1, in, first, count, w, n_threads);
+}
+
+void q8_0_dequantize(const int8_t *codes, const float *d, int64_t in, int64_t first, int64_t count, float *w,
                      int n_threads) {
-    const int64_t blocks = in / BLOCK;
-#pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t o = 0; o < count; ++o)
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t at = (first + o) * blocks + b;
-            f16x low, high;
-            q8_0_codes(codes + (first + o) * in + b * BLOCK, &low, &high);
-            const f16x lw = low * d[at], hw = high * d[at];
-            memcpy(w + o * in + b * BLOCK, &lw, sizeof lw);
-            memcpy(w + o * in + b * BLOCK + 16, &hw, sizeof hw);
-        }
+    dequantize((const uint8_t *)codes, d, NULL, 0, in, first, count, w, n_threads);
 }
