@@ -93,10 +93,6 @@ class GgufLinear(torch.nn.Module):
         weakref.finalize(self, _WEIGHTS.pop, self.weight_id, None)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
 
-    @property
-    def block_weight(self) -> BlockWeight:
-        return _WEIGHTS[self.weight_id]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = gguf_linear(x.reshape(-1, self.in_features), self.weight_index, self.bias, self.out_features)
         return out.reshape(*x.shape[:-1], self.out_features)

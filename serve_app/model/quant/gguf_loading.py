@@ -82,7 +82,7 @@ def load_gguf_model(
         raise RuntimeError(f"gguf: no tensors loaded for {still_empty[:3]}")
     layer_weights = [w for p, w in served.items() if ".layers.0." in f".{p}" and w is not embedding]
     n_layers = int(getattr(hf_config.get_text_config(), "num_hidden_layers", 1))
-    use_kernel(kernel, choose_kernel_rows(kernel, layer_weights, n_layers, head if head_module is not None else None))
+    use_kernel(kernel, choose_kernel_rows(kernel, layer_weights, n_layers, served.get(paths.get(head_module))))
     logger.info(
         "gguf: %d linear layers served from %s's own blocks (%.0f MB)%s", sum(1 for m in model.modules() if isinstance(m, GgufLinear)),
         gguf.name, sum(w.nbytes for w in {id(w): w for w in served.values()}.values()) / 1e6,
